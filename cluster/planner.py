@@ -1,0 +1,400 @@
+"""The transfer planner: which bytes each decode rank reads from which prefill rank, and why a pair is compatible.
+
+Two steps, at two frequencies:
+  * `plan_pair(prefill, decode)` once per engine pair (the coordinator caches it): validates the pair and derives the
+    per-layer read templates - for every decode rank, the (prefill rank, remote offset, size, local offset) reads that
+    fill one GDN/Mamba state page, and the KV-head runs it reads from each prefill rank.
+  * `plan_request(pair, ...)` once per request: aligns the prefill engine's kernel blocks with the decode engine's by
+    token position (each side expanded with its *own* physical_blocks_per_logical), skips the prefix the decode side
+    already has cached, and expands the templates into coalesced byte descriptors.
+
+Offsets in the templates are relative to the start of one layer's conv state, recurrent state or KV head block; the
+request plan turns them into offsets relative to a layer's region base. Every attention layer (and K and V) shares
+one descriptor pattern, as does every state layer, so the data path replicates a pattern over its regions.
+
+No Ray, vLLM or NIXL imports here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster.layout import EngineLayout, Proj, fields_differ
+
+
+class IncompatiblePair(ValueError):
+    """A prefill/decode pair that cannot exchange state. Names the field and both values."""
+
+    def __init__(self, field: str, prefill: object, decode: object, hint: str = ""):
+        msg = f"{field}: prefill has {prefill!r}, decode has {decode!r}"
+        super().__init__(msg + (f"; {hint}" if hint else ""))
+        self.field, self.prefill, self.decode = field, prefill, decode
+
+
+def tp_ratio(prefill_tp: int, decode_tp: int) -> int:
+    """D_TP / P_TP when decode has at least as many ranks, else -(P_TP / D_TP)."""
+    if decode_tp >= prefill_tp:
+        if decode_tp % prefill_tp:
+            raise IncompatiblePair("tp", prefill_tp, decode_tp, "the larger TP size must be a multiple of the smaller")
+        return decode_tp // prefill_tp
+    if prefill_tp % decode_tp:
+        raise IncompatiblePair("tp", prefill_tp, decode_tp, "the larger TP size must be a multiple of the smaller")
+    return -(prefill_tp // decode_tp)
+
+
+@dataclass(frozen=True)
+class Read:
+    """One contiguous read: `size` bytes at `remote_offset` of `remote_rank` into `local_offset` of this rank."""
+
+    remote_rank: int
+    region: str  # conv0 / conv1 / conv2 / ssm
+    remote_offset: int
+    size: int
+    local_offset: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "remote_rank": self.remote_rank,
+            "region": self.region,
+            "offset": self.remote_offset,
+            "size": self.size,
+            "local_offset": self.local_offset,
+        }
+
+
+@dataclass(frozen=True)
+class HeadRun:
+    """`count` consecutive KV heads read from `remote_rank`, starting at its head slot `remote_slot`, into local
+    head slot `local_slot`."""
+
+    remote_rank: int
+    remote_slot: int
+    local_slot: int
+    count: int
+
+
+def unit_runs(proj: Proj, prefill_tp: int, decode_tp: int, decode_rank: int) -> list[HeadRun]:
+    """For one projection, where each unit held by `decode_rank` comes from: runs of consecutive units that are
+    consecutive on one prefill rank too. A unit held by several prefill ranks (replication) is read from the lowest
+    holder inside this decode rank's own share of the prefill ranks, so a decode rank reads from as few ranks as it
+    can and no rank outside its share."""
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for p in range(prefill_tp):
+        for slot, unit in enumerate(proj.held_units(prefill_tp, p)):
+            holders.setdefault(unit, []).append((p, slot))
+    # this decode rank's own share of the prefill ranks (for tp_ratio > 0: the one rank it slices)
+    first = decode_rank * prefill_tp // decode_tp
+    share = range(first, max(-(-(decode_rank + 1) * prefill_tp // decode_tp), first + 1))
+    runs: list[HeadRun] = []
+    for local_slot, unit in enumerate(proj.held_units(decode_tp, decode_rank)):
+        # a holder inside the share first (lowest rank), else the nearest one
+        p, slot = min(holders[unit], key=lambda h: (h[0] not in share, abs(h[0] - first), h[0]))
+        last = runs[-1] if runs else None
+        if last and last.remote_rank == p and last.remote_slot + last.count == slot and last.local_slot + last.count == local_slot:
+            runs[-1] = HeadRun(p, last.remote_slot, last.local_slot, last.count + 1)
+        else:
+            runs.append(HeadRun(p, slot, local_slot, 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """The negotiated plan for one prefill/decode engine pair."""
+
+    prefill: EngineLayout
+    decode: EngineLayout
+    tp_ratio: int
+    # per decode rank: the reads that fill one state page (one GDN/Mamba layer), region-by-region
+    state_reads: tuple[tuple[Read, ...], ...]
+    # per decode rank: the KV-head runs it reads from the prefill ranks
+    kv_head_runs: tuple[tuple[HeadRun, ...], ...]
+
+    def remote_ranks(self, decode_rank: int) -> tuple[int, ...]:
+        ranks = {r.remote_rank for r in self.state_reads[decode_rank]}
+        ranks |= {h.remote_rank for h in self.kv_head_runs[decode_rank]}
+        return tuple(sorted(ranks))
+
+    def state_descriptors(self, decode_rank: int) -> list[tuple[int, int, int, int]]:
+        """The state reads of one layer's page as (remote_rank, remote_offset, local_offset, size) relative to the page
+        start, with reads that are adjacent on both sides merged across regions."""
+        p, d = self.prefill, self.decode
+        rows = []
+        for r in self.state_reads[decode_rank]:
+            is_ssm = r.region == "ssm"
+            rows.append(
+                (
+                    r.remote_rank,
+                    r.remote_offset + (p.ssm_offset if is_ssm else 0),
+                    r.local_offset + (d.ssm_offset if is_ssm else 0),
+                    r.size,
+                )
+            )
+        return coalesce_rows(rows)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "tp_ratio": self.tp_ratio,
+            "prefill": self.prefill.summary(),
+            "decode": self.decode.summary(),
+            "reads": [[r.as_dict() for r in reads] for reads in self.state_reads],
+            "state_descriptors_per_layer": [len(self.state_descriptors(d)) for d in range(self.decode.tp)],
+            "kv_head_runs": [
+                [{"remote_rank": h.remote_rank, "remote_slot": h.remote_slot, "local_slot": h.local_slot, "count": h.count} for h in runs]
+                for runs in self.kv_head_runs
+            ],
+            "remote_ranks": [list(self.remote_ranks(d)) for d in range(self.decode.tp)],
+        }
+
+
+def coalesce_rows(rows: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Merge (rank, remote_off, local_off, size) rows that continue the previous one on both sides."""
+    out: list[tuple[int, int, int, int]] = []
+    for rank, ro, lo, size in rows:
+        if out:
+            prank, pro, plo, psize = out[-1]
+            if prank == rank and pro + psize == ro and plo + psize == lo:
+                out[-1] = (rank, pro, plo, psize + size)
+                continue
+        out.append((rank, ro, lo, size))
+    return out
+
+
+def validate_pair(prefill: EngineLayout, decode: EngineLayout) -> int:
+    """Raise IncompatiblePair naming the first field that makes the pair unable to exchange state; return tp_ratio."""
+    for name, pv, dv in fields_differ(prefill.model, decode.model):
+        raise IncompatiblePair(f"model.{name}", pv, dv, "prefill and decode must serve the same model")
+    if prefill.groups != decode.groups:
+        raise IncompatiblePair("groups", prefill.groups, decode.groups, "both engines must group cache layers alike")
+    if prefill.dtype != decode.dtype:
+        raise IncompatiblePair("dtype", prefill.dtype, decode.dtype, "KV cache and conv state dtypes must match")
+    if prefill.model.state and prefill.ssm_dtype != decode.ssm_dtype:
+        raise IncompatiblePair("ssm_dtype", prefill.ssm_dtype, decode.ssm_dtype, "recurrent state dtypes must match")
+    if prefill.model.state:
+        for side, layout in (("prefill", prefill), ("decode", decode)):
+            if layout.conv_layout != "DS":
+                raise IncompatiblePair(
+                    "conv_layout",
+                    prefill.conv_layout,
+                    decode.conv_layout,
+                    f"the {side} engine keeps conv state {layout.conv_layout}; only the DS layout (channels, conv_rows) "
+                    "keeps each sub-projection contiguous",
+                )
+    if prefill.model.attention and prefill.kv_layout != decode.kv_layout:
+        raise IncompatiblePair("kv_layout", prefill.kv_layout, decode.kv_layout, "both engines must use one KV layout")
+    if prefill.model.attention and prefill.tp != decode.tp and prefill.kv_layout != "HND":
+        raise IncompatiblePair(
+            "kv_layout", prefill.kv_layout, decode.kv_layout, "different TP sizes need the HND layout (heads outermost)"
+        )
+    return tp_ratio(prefill.tp, decode.tp)
+
+
+def plan_pair(prefill: EngineLayout, decode: EngineLayout) -> PairPlan:
+    ratio = validate_pair(prefill, decode)
+    state_reads: list[tuple[Read, ...]] = []
+    kv_runs: list[tuple[HeadRun, ...]] = []
+    state = prefill.model.state
+    for d in range(decode.tp):
+        reads: list[Read] = []
+        if state:
+            p_offs, d_offs = prefill.conv_proj_offsets(), decode.conv_proj_offsets()
+            for i, proj in enumerate(state.conv_projs):
+                unit = proj.unit_elems * state.conv_rows * prefill.elem
+                for run in unit_runs(proj, prefill.tp, decode.tp, d):
+                    reads.append(
+                        Read(
+                            run.remote_rank,
+                            f"conv{i}",
+                            p_offs[i] + run.remote_slot * unit,
+                            run.count * unit,
+                            d_offs[i] + run.local_slot * unit,
+                        )
+                    )
+            unit = state.ssm.unit_elems * prefill.ssm_elem
+            for run in unit_runs(state.ssm, prefill.tp, decode.tp, d):
+                reads.append(Read(run.remote_rank, "ssm", run.remote_slot * unit, run.count * unit, run.local_slot * unit))
+        state_reads.append(tuple(reads))
+        attn = prefill.model.attention
+        kv_runs.append(tuple(unit_runs(attn.heads, prefill.tp, decode.tp, d)) if attn else ())
+    return PairPlan(prefill, decode, ratio, tuple(state_reads), tuple(kv_runs))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Per request: block alignment by token position and descriptor expansion
+
+
+class RequestError(ValueError):
+    """Block lists that cannot carry the request (too few blocks, bad token counts). Names the argument."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class RegionReads:
+    """Reads applied to each region in `regions`: rows of (remote_rank, remote_offset, local_offset, size), offsets
+    relative to the region's base address on each side. Every layer of a group lives in its own region and all of them
+    share the pattern, so descriptors = len(rows) * len(regions)."""
+
+    regions: tuple[int, ...]
+    rows: np.ndarray  # int64 (n, 4)
+
+    @property
+    def descriptors(self) -> int:
+        return len(self.rows) * len(self.regions)
+
+    @property
+    def bytes(self) -> int:
+        return int(self.rows[:, 3].sum()) * len(self.regions) if len(self.rows) else 0
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What one decode rank set reads for one request.
+
+    `num_tokens` prompt tokens were run by the prefill engine (the prompt minus its last token for hybrid models: a
+    recurrent state cannot be rewound, so the decode side runs `prompt[recompute_from:]` itself). Attention KV is read
+    for token positions [first_token, end_token): first_token skips the decode side's cached prefix, end_token pads
+    the tail to the end of the kernel block both sides hold."""
+
+    num_tokens: int
+    first_token: int
+    end_token: int
+    recompute_from: int
+    reads: tuple[tuple[RegionReads, ...], ...]  # per decode rank
+    uncoalesced: tuple[int, ...]  # per decode rank: descriptors of a per-(layer, kernel block, region) plan
+
+    def descriptors(self, decode_rank: int) -> int:
+        return sum(r.descriptors for r in self.reads[decode_rank])
+
+    def bytes(self, decode_rank: int) -> int:
+        return sum(r.bytes for r in self.reads[decode_rank])
+
+
+def coalesce(rows: np.ndarray) -> np.ndarray:
+    """Sort (rank, remote_off, local_off, size) rows by rank and local offset and merge each row that continues the
+    previous one on both sides into it."""
+    if len(rows) <= 1:
+        return rows
+    rows = rows[np.lexsort((rows[:, 2], rows[:, 0]))]
+    rank, ro, lo, size = rows.T
+    cont = (rank[1:] == rank[:-1]) & (ro[1:] == ro[:-1] + size[:-1]) & (lo[1:] == lo[:-1] + size[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    ends = np.concatenate((starts[1:], [len(rows)]))
+    out = rows[starts].copy()
+    out[:, 3] = (ro[ends - 1] + size[ends - 1]) - ro[starts]
+    return out
+
+
+def _kernel_ids(logical: np.ndarray, pos: np.ndarray, layout: EngineLayout) -> np.ndarray:
+    """Kernel block id holding token `pos`, from the side's own logical block ids and its own ratio."""
+    ppl = layout.physical_blocks_per_logical
+    return logical[pos // layout.block_size] * ppl + (pos % layout.block_size) // layout.kernel_block_size
+
+
+def _attention_rows(pair: PairPlan, decode_rank: int, p_blocks: np.ndarray, d_blocks: np.ndarray, start: int, end: int) -> tuple[np.ndarray, int]:
+    p, d = pair.prefill, pair.decode
+    kp, kd = p.kernel_block_size, d.kernel_block_size
+    cuts = np.union1d(np.arange(-(-start // kp) * kp, end, kp), np.arange(-(-start // kd) * kd, end, kd))
+    cuts = np.union1d(cuts, [start, end])
+    a, b = cuts[:-1], cuts[1:]
+    if len(a) == 0:
+        return np.zeros((0, 4), np.int64), 0
+    p_base = _kernel_ids(p_blocks, a, p) * p.kernel_page_bytes
+    d_base = _kernel_ids(d_blocks, a, d) * d.kernel_page_bytes
+    p_row, d_row = a % kp, a % kd
+    whole = (p_row == 0) & (d_row == 0) & (b - a == kp) & (b - a == kd)
+    tok = p.model.attention.head_dim * p.elem  # bytes of one token of one head in K (or V)
+    parts = []
+    for run in pair.kv_head_runs[decode_rank]:
+        # whole kernel blocks on both sides (same kernel size): one read per head run
+        w = np.flatnonzero(whole)
+        if len(w):
+            parts.append(
+                np.stack(
+                    [
+                        np.full(len(w), run.remote_rank),
+                        p_base[w] + run.remote_slot * p.kv_head_bytes,
+                        d_base[w] + run.local_slot * d.kv_head_bytes,
+                        np.full(len(w), run.count * p.kv_head_bytes),
+                    ],
+                    axis=1,
+                )
+            )
+        # partial segments: K rows and V rows of each head separately
+        s = np.flatnonzero(~whole)
+        if len(s):
+            for h in range(run.count):
+                for kv in (0, 1):
+                    parts.append(
+                        np.stack(
+                            [
+                                np.full(len(s), run.remote_rank),
+                                p_base[s] + (run.remote_slot + h) * p.kv_head_bytes + (kv * kp + p_row[s]) * tok,
+                                d_base[s] + (run.local_slot + h) * d.kv_head_bytes + (kv * kd + d_row[s]) * tok,
+                                (b[s] - a[s]) * tok,
+                            ],
+                            axis=1,
+                        )
+                    )
+    rows = np.concatenate(parts).astype(np.int64) if parts else np.zeros((0, 4), np.int64)
+    # a per-(kernel block, remote rank) plan, as a stock connector would issue it
+    n_ranks = len({run.remote_rank for run in pair.kv_head_runs[decode_rank]})
+    baseline = len(np.unique(_kernel_ids(d_blocks, a, d))) * n_ranks
+    return rows, baseline
+
+
+def plan_request(
+    pair: PairPlan,
+    prefill_blocks: list[list[int]] | tuple,
+    decode_blocks: list[list[int]] | tuple,
+    num_tokens: int,
+    num_cached_tokens: int = 0,
+) -> RequestPlan:
+    """Descriptors for one request.
+
+    `prefill_blocks` / `decode_blocks`: each engine's logical block ids per cache group (in its group order; a state
+    group's running state sits in the last block of its list). `num_tokens`: tokens whose KV and state the prefill
+    engine computed. `num_cached_tokens`: the decode side's cached prefix, which is not read again."""
+    p, d = pair.prefill, pair.decode
+    for name, side, blocks in (("prefill_blocks", p, prefill_blocks), ("decode_blocks", d, decode_blocks)):
+        if len(blocks) != len(side.groups):
+            raise RequestError(name, f"{len(blocks)} block lists for {len(side.groups)} cache groups")
+    if num_tokens < 1:
+        raise RequestError("num_tokens", f"must be >= 1, got {num_tokens}")
+    if num_cached_tokens < 0:
+        raise RequestError("num_cached_tokens", f"must be >= 0, got {num_cached_tokens}")
+    if num_cached_tokens % d.block_size:
+        raise RequestError("num_cached_tokens", f"{num_cached_tokens} is not a multiple of the decode block size {d.block_size}")
+    start = min(num_cached_tokens, num_tokens)
+    reads: list[tuple[RegionReads, ...]] = []
+    uncoalesced: list[int] = []
+    end = num_tokens
+    for rank in range(d.tp):
+        by_regions: dict[tuple[int, ...], list[np.ndarray]] = {}
+        baseline = 0
+        for gi, (pg, dg) in enumerate(zip(p.groups, d.groups)):
+            regions = tuple(range(len(pg.layers)))
+            pb = np.asarray(prefill_blocks[gi], dtype=np.int64)
+            db = np.asarray(decode_blocks[gi], dtype=np.int64)
+            if pg.kind == "state":
+                if not len(pb) or not len(db):
+                    raise RequestError("prefill_blocks" if not len(pb) else "decode_blocks", f"state group {gi} has no block")
+                rows = np.array(pair.state_descriptors(rank), dtype=np.int64).reshape(-1, 4)
+                rows[:, 1] += int(pb[-1]) * p.page_bytes
+                rows[:, 2] += int(db[-1]) * d.page_bytes
+                baseline += len(pair.state_reads[rank]) * len(regions)
+            else:
+                for name, side, blocks in (("prefill_blocks", p, pb), ("decode_blocks", d, db)):
+                    if len(blocks) * side.block_size < num_tokens:
+                        raise RequestError(name, f"group {gi} holds {len(blocks) * side.block_size} tokens, the request has {num_tokens}")
+                kp, kd = p.kernel_block_size, d.kernel_block_size
+                end = min(-(-num_tokens // kp) * kp, -(-num_tokens // kd) * kd, len(pb) * p.block_size, len(db) * d.block_size)
+                rows, base = _attention_rows(pair, rank, pb, db, start, end)
+                baseline += base * len(regions)
+            by_regions.setdefault(regions, []).append(rows)
+        reads.append(tuple(RegionReads(regs, coalesce(np.concatenate(parts))) for regs, parts in by_regions.items()))
+        uncoalesced.append(baseline)
+    return RequestPlan(num_tokens, start, end, num_tokens, tuple(reads), tuple(uncoalesced))
