@@ -15,6 +15,7 @@ This module imports neither Ray, vLLM nor NIXL.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -205,31 +206,31 @@ class EngineLayout:
         return tuple(out)
 
     # ---- derived sizes (per rank) ----
-    @property
+    @cached_property
     def physical_blocks_per_logical(self) -> int:
         return self.block_size // self.kernel_block_size
 
-    @property
+    @cached_property
     def kernel_page_bytes(self) -> int:
         return self.page_bytes // self.physical_blocks_per_logical
 
-    @property
+    @cached_property
     def num_regions(self) -> int:
         return max((len(g.layers) for g in self.groups), default=0)
 
-    @property
+    @cached_property
     def elem(self) -> int:
         return dtype_bytes(self.dtype)
 
-    @property
+    @cached_property
     def ssm_elem(self) -> int:
         return dtype_bytes(self.ssm_dtype)
 
-    @property
+    @cached_property
     def conv_rows(self) -> int:
         return self.model.state.conv_rows if self.model.state else 0
 
-    @property
+    @cached_property
     def conv_proj_dims(self) -> tuple[int, ...]:
         """Per-rank channel counts of the conv sub-projections, in order."""
         if not self.model.state:
@@ -244,38 +245,38 @@ class EngineLayout:
             at += dim * self.conv_rows * self.elem
         return tuple(offs)
 
-    @property
+    @cached_property
     def conv_state_bytes(self) -> int:
         return sum(self.conv_proj_dims) * self.conv_rows * self.elem
 
-    @property
+    @cached_property
     def ssm_state_bytes(self) -> int:
         if not self.model.state:
             return 0
         ssm = self.model.state.ssm
         return ssm.local_units(self.tp) * ssm.unit_elems * self.ssm_elem
 
-    @property
+    @cached_property
     def ssm_offset(self) -> int:
         """Byte offset of the recurrent state inside a state page (right after the conv state)."""
         return self.conv_state_bytes
 
-    @property
+    @cached_property
     def min_state_page_bytes(self) -> int:
         return self.conv_state_bytes + self.ssm_state_bytes
 
-    @property
+    @cached_property
     def kv_heads_local(self) -> int:
         return self.model.attention.heads.local_units(self.tp) if self.model.attention else 0
 
-    @property
+    @cached_property
     def kv_head_bytes(self) -> int:
         """One KV head's K and V rows in one kernel block."""
         if not self.model.attention:
             return 0
         return 2 * self.kernel_block_size * self.model.attention.head_dim * self.elem
 
-    @property
+    @cached_property
     def kv_kernel_block_bytes(self) -> int:
         return self.kv_heads_local * self.kv_head_bytes
 
@@ -354,4 +355,44 @@ __all__ = [
     "StateShape",
     "dtype_bytes",
     "fields_differ",
+    "layout_from_report",
 ]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The run-time source: what a running engine reports
+
+
+KV_LAYOUTS = {"HND": "HND", "LBHNC": "HND", "NHD": "NHD"}  # vLLM's names -> head-major or token-major
+
+
+def layout_from_report(report: dict, model: ModelShape) -> EngineLayout:
+    """The layout a running engine reports (see actors/engine_report.py for how it is read out of vLLM), checked
+    against the model's shape: the sizes the engine really allocated must be the sizes the planner derives."""
+    try:
+        groups = tuple(CacheGroup(g["kind"], tuple(g["layers"])) for g in report["groups"])
+        layout = EngineLayout(
+            model=model,
+            tp=report["tp"],
+            dtype=report["dtype"],
+            ssm_dtype=report.get("ssm_dtype") or report["dtype"],
+            block_size=report["block_size"],
+            kernel_block_size=report["kernel_block_size"],
+            page_bytes=report["page_bytes"],
+            groups=groups,
+            conv_layout=report.get("conv_layout", "DS"),
+            kv_layout=KV_LAYOUTS.get(report.get("kv_layout", "HND"), report.get("kv_layout", "HND")),
+        )
+    except KeyError as e:
+        raise LayoutError(f"report.{e.args[0]}", "missing from the engine's report") from None
+    for name in ("conv_state_bytes", "ssm_state_bytes", "kv_heads_local"):
+        if name in report and report[name] != getattr(layout, name):
+            raise LayoutError(
+                f"report.{name}",
+                f"the engine reports {report[name]}, the model's shape at TP {layout.tp} gives {getattr(layout, name)}",
+            )
+    for i, g in enumerate(groups):
+        layers = model.state_layers if g.kind == "state" else model.attention_layers
+        if not set(g.layers) <= set(layers):
+            raise LayoutError(f"report.groups[{i}]", f"{g.kind} group lists layers {g.layers} that are not {g.kind} layers")
+    return layout

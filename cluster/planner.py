@@ -18,6 +18,7 @@ No Ray, vLLM or NIXL imports here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -119,19 +120,20 @@ class PairPlan:
     def state_descriptors(self, decode_rank: int) -> list[tuple[int, int, int, int]]:
         """The state reads of one layer's page as (remote_rank, remote_offset, local_offset, size) relative to the page
         start, with reads that are adjacent on both sides merged across regions."""
+        return self._state_rows[decode_rank].tolist()
+
+    @cached_property
+    def _state_rows(self) -> tuple[np.ndarray, ...]:
         p, d = self.prefill, self.decode
-        rows = []
-        for r in self.state_reads[decode_rank]:
-            is_ssm = r.region == "ssm"
-            rows.append(
-                (
-                    r.remote_rank,
-                    r.remote_offset + (p.ssm_offset if is_ssm else 0),
-                    r.local_offset + (d.ssm_offset if is_ssm else 0),
-                    r.size,
-                )
-            )
-        return coalesce_rows(rows)
+        out = []
+        for reads in self.state_reads:
+            rows = [
+                (r.remote_rank, r.remote_offset + (p.ssm_offset if r.region == "ssm" else 0),
+                 r.local_offset + (d.ssm_offset if r.region == "ssm" else 0), r.size)
+                for r in reads
+            ]
+            out.append(np.array(coalesce_rows(rows), dtype=np.int64).reshape(-1, 4))
+        return tuple(out)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -264,7 +266,7 @@ class RequestPlan:
     end_token: int
     recompute_from: int
     reads: tuple[tuple[RegionReads, ...], ...]  # per decode rank
-    uncoalesced: tuple[int, ...]  # per decode rank: descriptors of a per-(layer, kernel block, region) plan
+    uncoalesced: tuple[int, ...]  # per decode rank: descriptors before coalescing (one per layer, block and region)
 
     def descriptors(self, decode_rank: int) -> int:
         return sum(r.descriptors for r in self.reads[decode_rank])
@@ -297,8 +299,11 @@ def _kernel_ids(logical: np.ndarray, pos: np.ndarray, layout: EngineLayout) -> n
 def _attention_rows(pair: PairPlan, decode_rank: int, p_blocks: np.ndarray, d_blocks: np.ndarray, start: int, end: int) -> tuple[np.ndarray, int]:
     p, d = pair.prefill, pair.decode
     kp, kd = p.kernel_block_size, d.kernel_block_size
-    cuts = np.union1d(np.arange(-(-start // kp) * kp, end, kp), np.arange(-(-start // kd) * kd, end, kd))
-    cuts = np.union1d(cuts, [start, end])
+    if kp == kd and start % kp == 0 and end % kp == 0:  # the common case: whole kernel blocks on both sides
+        cuts = np.arange(start, end + 1, kp)
+    else:
+        cuts = np.union1d(np.arange(-(-start // kp) * kp, end, kp), np.arange(-(-start // kd) * kd, end, kd))
+        cuts = np.union1d(cuts, [start, end])
     a, b = cuts[:-1], cuts[1:]
     if len(a) == 0:
         return np.zeros((0, 4), np.int64), 0
@@ -340,10 +345,7 @@ def _attention_rows(pair: PairPlan, decode_rank: int, p_blocks: np.ndarray, d_bl
                         )
                     )
     rows = np.concatenate(parts).astype(np.int64) if parts else np.zeros((0, 4), np.int64)
-    # a per-(kernel block, remote rank) plan, as a stock connector would issue it
-    n_ranks = len({run.remote_rank for run in pair.kv_head_runs[decode_rank]})
-    baseline = len(np.unique(_kernel_ids(d_blocks, a, d))) * n_ranks
-    return rows, baseline
+    return rows, len(rows)  # before coalescing: one read per (kernel block, head run) (per head and K/V if partial)
 
 
 def plan_request(
@@ -382,8 +384,7 @@ def plan_request(
             if pg.kind == "state":
                 if not len(pb) or not len(db):
                     raise RequestError("prefill_blocks" if not len(pb) else "decode_blocks", f"state group {gi} has no block")
-                rows = np.array(pair.state_descriptors(rank), dtype=np.int64).reshape(-1, 4)
-                rows[:, 1] += int(pb[-1]) * p.page_bytes
+                rows = pair._state_rows[rank] + np.array([0, int(pb[-1]) * p.page_bytes, 0, 0])
                 rows[:, 2] += int(db[-1]) * d.page_bytes
                 baseline += len(pair.state_reads[rank]) * len(regions)
             else:
