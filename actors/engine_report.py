@@ -22,7 +22,7 @@ def report_from_vllm(vllm_config: Any, kv_cache_config: Any, kernel_block_size: 
     dtype = ssm_dtype = None
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        layers = sorted(int(m.group(1)) for m in map(_LAYER.search, group.layer_names) if m)
+        layers = [int(m.group(1)) for m in map(_LAYER.search, group.layer_names) if m]  # region i = layers[i]
         page = max(page, spec.page_size_bytes)
         if isinstance(spec, MambaSpec):
             groups.append({"kind": "state", "layers": layers})

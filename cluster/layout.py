@@ -133,18 +133,19 @@ class CacheGroup:
 
 
 def default_groups(model: ModelShape) -> tuple[CacheGroup, ...]:
-    """The hybrid allocator's grouping: layers of each kind in chunks of `group_size` (the smaller kind's layer count,
-    or the larger's when it is under 1.5x the smaller), state groups first."""
-    kinds = [("state", model.state_layers), ("attention", model.attention_layers)]
-    counts = [len(layers) for _, layers in kinds if layers]
-    if not counts:
+    """The hybrid allocator's grouping (vLLM 0.32): each kind's layers (kinds in order of their first layer) split
+    into groups of `group_size` layers - the smaller kind's layer count, or the larger's when it is under 1.5x the
+    smaller - with group i of a kind taking layers[i::num_groups]."""
+    kinds = sorted((layers[0], kind, layers) for kind, layers in (("state", model.state_layers), ("attention", model.attention_layers)) if layers)
+    if not kinds:
         return ()
+    counts = [len(layers) for *_, layers in kinds]
     lo, hi = min(counts), max(counts)
     size = hi if hi < 1.5 * lo else lo
     groups = []
-    for kind, layers in kinds:
-        for i in range(0, len(layers), size):
-            groups.append(CacheGroup(kind, tuple(layers[i : i + size])))  # type: ignore[arg-type]
+    for _, kind, layers in kinds:
+        n = -(-len(layers) // size)
+        groups += [CacheGroup(kind, tuple(layers[i::n])) for i in range(n)]  # type: ignore[arg-type]
     return tuple(groups)
 
 

@@ -56,8 +56,11 @@ def vllm_engine_report(model_dir, cfg: dict, tp: int, block_size: int | None):
     )
     attn = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=vc.model_config.get_num_kv_heads(vc.parallel_config),
                              head_size=cfg["head_dim"], dtype=torch.bfloat16)
-    specs = {f"model.layers.{i}.linear_attn": mamba for i in range(4) if (i + 1) % 4}
-    specs.update({f"model.layers.{i}.self_attn.attn": attn for i in range(4) if (i + 1) % 4 == 0})
+    n = cfg["num_hidden_layers"]
+    specs = {
+        f"model.layers.{i}.linear_attn" if (i + 1) % 4 else f"model.layers.{i}.self_attn.attn": mamba if (i + 1) % 4 else attn
+        for i in range(n)
+    }
     kv_cache_config = get_kv_cache_config_from_groups(vc, get_kv_cache_groups(vc, specs), 64 * attn.page_size_bytes)
     return report_from_vllm(vc, kv_cache_config)
 
@@ -65,8 +68,9 @@ def vllm_engine_report(model_dir, cfg: dict, tp: int, block_size: int | None):
 @pytest.mark.parametrize("value_heads", [4, 8])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [None, 32])
-def test_offline_layout_equals_vllm_runtime_layout(tmp_path, value_heads, tp, block_size):
-    cfg = dict(TINY_QWEN3_NEXT, linear_num_value_heads=value_heads)
+@pytest.mark.parametrize("layers", [4, 12])
+def test_offline_layout_equals_vllm_runtime_layout(tmp_path, value_heads, tp, block_size, layers):
+    cfg = dict(TINY_QWEN3_NEXT, linear_num_value_heads=value_heads, num_hidden_layers=layers)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     report = vllm_engine_report(tmp_path, cfg, tp, block_size)
     model = model_shape(cfg)
