@@ -1,0 +1,141 @@
+"""The coordinator's state, free of Ray: a registry of engines, validated pairs and their cached plans, and transfer
+statistics. `actors/coordinator.py` wraps it in a named Ray actor and pushes plans to decode engines."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cluster.layout import EngineLayout, fields_differ
+from cluster.planner import IncompatiblePair, PairPlan, plan_pair
+from cluster.wire import pair_to_dict
+
+Role = Literal["prefill", "decode"]
+
+
+class RegistrationError(ValueError):
+    """An engine refused at registration; `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class EngineRecord:
+    engine_id: str
+    role: Role
+    model: str  # the served model name
+    layout: EngineLayout
+    ranks: list[dict[str, Any]]  # per TP rank: agent_metadata (bytes), region_bases, device_id, memory_type
+    state: Literal["ready", "draining"] = "ready"
+    registered_at: float = field(default_factory=time.time)
+
+
+class Coordinator:
+    def __init__(self, max_stats: int = 10_000):
+        self.engines: dict[str, EngineRecord] = {}
+        self.pairs: dict[tuple[str, str], PairPlan] = {}
+        self.transfers: deque[dict[str, Any]] = deque(maxlen=max_stats)
+        self.negotiation_us: list[float] = []
+
+    # ---- membership ----
+    def register(self, rec: EngineRecord) -> list[tuple[str, str]]:
+        """Validate `rec` against every registered engine and plan each new prefill/decode pair. Raises
+        RegistrationError (with the planner's message) and registers nothing if any pair is incompatible."""
+        if rec.role not in ("prefill", "decode"):
+            raise RegistrationError("role", f"must be 'prefill' or 'decode', got {rec.role!r}")
+        if rec.engine_id in self.engines:
+            raise RegistrationError("engine_id", f"{rec.engine_id!r} is already registered")
+        if len(rec.ranks) != rec.layout.tp:
+            raise RegistrationError("ranks", f"{len(rec.ranks)} rank registrations for TP {rec.layout.tp}")
+        for i, r in enumerate(rec.ranks):
+            if len(r.get("region_bases", ())) != rec.layout.num_regions:
+                raise RegistrationError(
+                    f"ranks[{i}].region_bases", f"{len(r.get('region_bases', ()))} regions, the layout has {rec.layout.num_regions}"
+                )
+        new: dict[tuple[str, str], PairPlan] = {}
+        t0 = time.perf_counter()
+        for other in self.engines.values():
+            if other.model != rec.model:
+                raise RegistrationError("model", f"{rec.engine_id} serves {rec.model!r}, {other.engine_id} serves {other.model!r}")
+            if other.role == rec.role:
+                _same_pool_check(other, rec)
+                continue
+            p, d = (other, rec) if other.role == "prefill" else (rec, other)
+            try:
+                new[(p.engine_id, d.engine_id)] = plan_pair(p.layout, d.layout)
+            except IncompatiblePair as e:
+                raise RegistrationError(
+                    e.field, f"{rec.engine_id} ({rec.role}) is incompatible with {other.engine_id} ({other.role}): {e}"
+                ) from e
+        self.negotiation_us.append((time.perf_counter() - t0) * 1e6)
+        self.engines[rec.engine_id] = rec
+        self.pairs.update(new)
+        return list(new)
+
+    def deregister(self, engine_id: str) -> None:
+        self.engines.pop(engine_id, None)
+        for key in [k for k in self.pairs if engine_id in k]:
+            del self.pairs[key]
+
+    def set_state(self, engine_id: str, state: Literal["ready", "draining"]) -> None:
+        self._engine(engine_id).state = state
+
+    # ---- plans ----
+    def pair(self, prefill_id: str, decode_id: str) -> PairPlan:
+        try:
+            return self.pairs[(prefill_id, decode_id)]
+        except KeyError:
+            missing = [e for e in (prefill_id, decode_id) if e not in self.engines]
+            why = f"engine(s) {missing} not registered" if missing else "pair not negotiated"
+            raise KeyError(f"no plan for prefill {prefill_id!r} -> decode {decode_id!r}: {why}") from None
+
+    def payload(self, prefill_id: str, decode_id: str) -> str:
+        """The plan as the decode workers receive it: the pair plan and every prefill rank's registration."""
+        pair = self.pair(prefill_id, decode_id)
+        ranks = [
+            {k: (v.hex() if isinstance(v, bytes) else v) for k, v in r.items() if k != "layout"}
+            for r in self.engines[prefill_id].ranks
+        ]
+        return json.dumps({"pair": pair_to_dict(pair), "prefill_ranks": ranks})
+
+    def decodes_for(self, prefill_id: str) -> list[str]:
+        return [d for (p, d) in self.pairs if p == prefill_id and self.engines[d].state == "ready"]
+
+    def ready(self, role: Role) -> list[str]:
+        return [e.engine_id for e in self.engines.values() if e.role == role and e.state == "ready"]
+
+    # ---- stats ----
+    def record_transfers(self, stats: list[dict[str, Any]]) -> None:
+        self.transfers.extend(stats)
+
+    def transfer_stats(self, request_id: str | None = None) -> list[dict[str, Any]]:
+        return [s for s in self.transfers if request_id is None or s.get("request_id") == request_id]
+
+    def _engine(self, engine_id: str) -> EngineRecord:
+        try:
+            return self.engines[engine_id]
+        except KeyError:
+            raise KeyError(f"engine {engine_id!r} is not registered") from None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "engines": {
+                e.engine_id: {"role": e.role, "tp": e.layout.tp, "state": e.state, "model": e.model} for e in self.engines.values()
+            },
+            "pairs": [{"prefill": p, "decode": d, "tp_ratio": plan.tp_ratio} for (p, d), plan in self.pairs.items()],
+        }
+
+
+def _same_pool_check(old: EngineRecord, new: EngineRecord) -> None:
+    """Engines of one pool must serve the same model in the same dtypes (their TP sizes may differ)."""
+    diffs = [(f"model.{n}", a, b) for n, a, b in fields_differ(old.layout.model, new.layout.model)]
+    diffs += [(n, getattr(old.layout, n), getattr(new.layout, n)) for n in ("dtype", "ssm_dtype") if getattr(old.layout, n) != getattr(new.layout, n)]
+    for name, a, b in diffs:
+        raise RegistrationError(
+            name, f"{new.engine_id} has {b!r}, {old.engine_id} of the same {new.role} pool has {a!r}; a pool serves one model in one dtype"
+        )
