@@ -1,0 +1,103 @@
+"""The coordinator as a named Ray actor: engines register here; it validates and plans every prefill/decode pair with
+the planner and pushes each plan to the decode engine, whose workers then read exactly what the plan says."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from cluster.coordinator import Coordinator, EngineRecord, RegistrationError
+from cluster.hf_config import model_shape
+from cluster.layout import LayoutError, layout_from_report
+from cluster.planner import IncompatiblePair
+
+COORDINATOR_NAME = "pd-coordinator"
+log = logging.getLogger("pd.coordinator")
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class CoordinatorActor:
+    def __init__(self) -> None:
+        self.core = Coordinator()
+        self.handles: dict[str, Any] = {}
+
+    async def register(self, registration: dict[str, Any], handle: Any) -> dict[str, Any]:
+        """`registration`: what EngineActor.registration() returns. Refused with RegistrationError (its message names
+        the field) when the engine cannot pair with the registered ones; then nothing is registered."""
+        try:
+            model = model_shape(registration["hf_config"])
+            layout = layout_from_report(registration["ranks"][0]["layout"], model)
+        except (LayoutError, ValueError) as e:
+            raise RegistrationError(getattr(e, "field", "layout"), str(e)) from None
+        for i, rank in enumerate(registration["ranks"]):
+            if rank["layout"] != registration["ranks"][0]["layout"]:
+                raise RegistrationError(f"ranks[{i}].layout", "TP ranks of one engine report different layouts")
+        rec = EngineRecord(
+            engine_id=registration["engine_id"],
+            role=registration["role"],
+            model=registration["model"],
+            layout=layout,
+            ranks=[{k: v for k, v in r.items() if k != "layout"} for r in registration["ranks"]],
+        )
+        try:
+            pairs = self.core.register(rec)
+        except (IncompatiblePair, RegistrationError) as e:
+            log.warning("refused %s: %s", rec.engine_id, e)
+            raise
+        self.handles[rec.engine_id] = handle
+        # a pair serves only once its decode engine holds the plan
+        try:
+            await asyncio.gather(*(self.handles[d].install_pair.remote(p, self.core.payload(p, d)) for p, d in pairs))
+        except Exception:
+            self.core.deregister(rec.engine_id)
+            self.handles.pop(rec.engine_id, None)
+            raise
+        log.info("registered %s (%s, TP %d); pairs %s", rec.engine_id, rec.role, layout.tp, pairs)
+        return {"engine_id": rec.engine_id, "pairs": pairs}
+
+    async def deregister(self, engine_id: str) -> None:
+        rec = self.core.engines.get(engine_id)
+        if rec is None:
+            return
+        pairs = [k for k in self.core.pairs if engine_id in k]
+        self.core.deregister(engine_id)
+        self.handles.pop(engine_id, None)
+        if rec.role == "prefill":  # decode engines forget the departed prefill engine's agents
+            await asyncio.gather(
+                *(self.handles[d].remove_pair.remote(engine_id) for _, d in pairs if d in self.handles), return_exceptions=True
+            )
+
+    def set_state(self, engine_id: str, state: str) -> None:
+        self.core.set_state(engine_id, state)  # type: ignore[arg-type]
+
+    def decodes_for(self, prefill_id: str) -> list[str]:
+        return self.core.decodes_for(prefill_id)
+
+    def ready(self, role: str) -> list[str]:
+        return self.core.ready(role)  # type: ignore[arg-type]
+
+    def handle(self, engine_id: str) -> Any:
+        return self.handles[engine_id]
+
+    def pair_plan(self, prefill_id: str, decode_id: str) -> str:
+        return self.core.payload(prefill_id, decode_id)
+
+    def record_transfers(self, stats: list[dict[str, Any]]) -> None:
+        self.core.record_transfers(stats)
+
+    def transfer_stats(self, request_id: str | None = None) -> list[dict[str, Any]]:
+        return self.core.transfer_stats(request_id)
+
+    def describe(self) -> dict[str, Any]:
+        return self.core.describe()
+
+    def negotiation_us(self) -> list[float]:
+        return list(self.core.negotiation_us)
+
+
+def get_or_create_coordinator(namespace: str | None = None) -> Any:
+    """The cluster's coordinator: the named actor if it exists, else a new one."""
+    return CoordinatorActor.options(name=COORDINATOR_NAME, namespace=namespace, get_if_exists=True).remote()

@@ -1,0 +1,87 @@
+"""The deployment file (`deploy.yaml`): one validated object describing the model, the two pools, the coordinator
+and the HTTP endpoint. A bad file is rejected with each field's path and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """Either a tiny locally built model (`builtin`) or a model directory (`path`)."""
+
+    builtin: Literal["gdn", "gdn-asym", "mamba2", "attn"] | None = "gdn"
+    path: str | None = None
+    name: str = Field("tiny-hybrid", description="the model name clients send in requests")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int = Field(2048, ge=16, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if self.path:
+            self.builtin = None
+        if not self.builtin and not self.path:
+            raise ValueError("set either builtin (a tiny local model) or path (a model directory)")
+        return self
+
+
+class PoolConfig(_Strict):
+    tp: int = Field(1, ge=1, le=8)
+    min_replicas: int = Field(1, ge=0, le=64)
+    max_replicas: int = Field(1, ge=1, le=64)
+    kv_cache_gib: float = Field(1.0, gt=0, le=1024)
+
+    @field_validator("tp")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"TP size must be a power of two, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "PoolConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
+        return self
+
+
+class HttpConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` when set")
+
+
+class DeployConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    prefill: PoolConfig = PoolConfig(tp=1)
+    decode: PoolConfig = PoolConfig(tp=2)
+    http: HttpConfig = HttpConfig()
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class DeployError(ValueError):
+    pass
+
+
+def load_deploy(path: str | Path) -> DeployConfig:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except FileNotFoundError:
+        raise DeployError(f"{p}: no such deployment file") from None
+    except yaml.YAMLError as e:
+        raise DeployError(f"{p}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise DeployError(f"{p}: the top level must be a mapping")
+    try:
+        return DeployConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}" for err in e.errors()]
+        raise DeployError(f"{p}: invalid deployment\n  " + "\n  ".join(lines)) from None
