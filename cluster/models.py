@@ -1,4 +1,4 @@
-"""Tiny random-weight models for tests and `make run`, built locally (no hub access).
+"""Tiny hybrid models for tests and `make run`, built locally in seconds (no hub access).
 
 A model directory holds what vLLM loads: `config.json`, `model.safetensors` (bf16) and a byte-level BPE tokenizer
 (`tokenizer.json` + `tokenizer_config.json`) trained here on a small corpus generated in-code. Everything is a pure
@@ -12,17 +12,21 @@ Kinds (every sharded head count divides TP 1, 2 and 4):
             Mamba2 n_groups = 1 (the B/C group is replicated on every TP rank).
   attn      attention-only baseline (`Qwen3ForCausalLM`).
 
-Random weights give nearly flat logits full of near-ties, so two correct runs that differ only numerically pick
-different greedy tokens. `sharpen` rewrites a few tensors so that greedy decoding has wide top-1/top-2 margins
-while the next token still depends on the context (see its docstring).
+Random weights give nearly flat logits full of near-ties, so two correct runs that differ only numerically (TP 1
+vs TP 2 in bf16) pick different greedy tokens. So the weights are not noise: `sharpen` sets them to a small lookup
+circuit (described below) whose greedy output is an exact function of the context, with top-1/top-2 logit margins
+above 6, and which reads the attention KV cache and the GDN / Mamba2 conv and recurrent state at every step.
+`expected_next_token` states the rule for the GDN kinds, for end-to-end tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import inspect
 import json
+import os
 import random
 import shutil
 import sys
@@ -86,11 +90,11 @@ def model_config(kind: str):
 
         return GraniteMoeHybridConfig(
             **common,
-            layer_types=["mamba", "mamba", "attention", "mamba"],
+            layer_types=["linear_attention"] * 3 + ["full_attention"],  # Mamba2 x 3, attention
             num_attention_heads=4,
             num_key_value_heads=4,
             attention_multiplier=1 / 8,  # 1/sqrt(head_dim 64)
-            position_embedding_type="rope",
+            position_embedding_type=None,  # no rotary in the attention layer, as in Granite 4.0-H
             num_local_experts=0,  # dense: only the shared MLP
             shared_intermediate_size=512,
             intermediate_size=512,
@@ -110,6 +114,8 @@ def model_config(kind: str):
             num_key_value_heads=4,
             head_dim=64,
             intermediate_size=512,
+            # slow rotary: the lookup codes sit in dims that rotate < 5e-3 rad over 4096 positions
+            rope_parameters={"rope_type": "default", "rope_theta": 1e12},
         )
     raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
 
@@ -127,25 +133,292 @@ def _model_class(kind: str):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# weights
+# weights: a lookup circuit instead of noise
+#
+# Every weight is set by hand (the seed picks the permutations and random codes), so the next token is an exact,
+# discrete function of the context and numerical noise (bf16, TP reduction order) cannot flip it.
+#
+# Tokens 3.. are split into N_BUCKETS buckets; the residual stream has one-hot subspaces:
+#   BIAS (constant 1) | SINK (1 on BOS only) | CUR (bucket of this token) | stage outputs | OUT | ID (random code)
+# Hybrid kinds (gdn, gdn-asym, mamba2): layers 0-2 are GDN / Mamba2 mixers that run a "skip-gram induction"
+#   lookup in their recurrent state: at each position s they store key = bucket(s-2) -> value = bucket(s), and
+#   position t queries key = bucket(t-1), so the answer is the bucket two after the latest earlier occurrence of
+#   bucket(t-1). Query and key come through the causal conv (taps t-1, t-2), so the conv state, the recurrent
+#   state (GDN: delta rule overwrite, no decay; Mamba2: decay 1/4 per token, so the latest match dominates and
+#   the memory reaches ~10 tokens back) and every head (its own permutation of the code) all carry the answer.
+#   Layer 3 (attention) looks the answer bucket up in the KV cache (keys = CUR) and copies it into ATT.
+#   The MLP of layer 3 is an AND gate: OUT[b] fires only if all mixer heads and attention agree on bucket b.
+# attn kind: four attention layers chain membership lookups A_l = g_l(A_{l-1}) (A_{-1} = CUR): "does bucket
+#   g_l(b) occur in the context?", with BOS as the attention sink for "no" (prompts should start with BOS).
+# Readout: the bucket's representative token when OUT fires (logit ~25-30), else the fixed successor of the
+#   current token (logit ~10, runner-up ~3). A corrupted KV cache, conv or recurrent state breaks the agreement
+#   or the lookup, and the output falls back to the successor or to another bucket.
+
+N_BUCKETS = 32
+MIXER_LAYERS = 3  # mixer layers before the attention layer in the hybrid kinds
+HIT_LOGIT_PER_OUT = 4.0  # lm_head weight on OUT: logit ~ 4 x OUT (OUT ~ 6-8 when the gate fires)
+FALLBACK_LOGIT = 10.0  # logit of the successor token when no lookup answers
+
+
+def residual_layout(kind: str) -> dict[str, int]:
+    """Start index of each residual subspace (one-hot subspaces are N_BUCKETS wide)."""
+    stages = ["A0", "A1", "A2", "A3"] if kind == "attn" else ["ANS", "ATT"]
+    layout = {"BIAS": 0, "SINK": 1, "CUR": 2}
+    at = 2 + N_BUCKETS
+    for name in stages + ["OUT"]:
+        layout[name] = at
+        at += N_BUCKETS
+    layout["ID"] = at
+    return layout
+
+
+def token_codes(generator, vocab_size: int = VOCAB_SIZE, n_id: int = HIDDEN_SIZE):
+    """bucket per token (-1 for specials), a representative token per bucket, a successor cycle, random id codes."""
+    import torch
+
+    order = torch.randperm(vocab_size - 3, generator=generator) + 3
+    bucket = torch.full((vocab_size,), -1, dtype=torch.long)
+    bucket[order] = torch.arange(len(order)) % N_BUCKETS
+    rep = order[:N_BUCKETS].tolist()  # bucket(order[i]) == i for i < N_BUCKETS
+    cycle = order[torch.randperm(len(order), generator=generator)]
+    pred = torch.zeros(vocab_size, dtype=torch.long)  # pred[v]: the token whose successor is v
+    pred[cycle] = torch.roll(cycle, 1)
+    ident = torch.randn(vocab_size, n_id, generator=generator)
+    ident = ident / ident.norm(dim=1, keepdim=True)
+    return bucket, rep, pred, cycle, ident
+
+
+def _code_map(generator, width: int) -> list[int]:
+    """A random injective map bucket -> index in [0, width)."""
+    import torch
+
+    return torch.randperm(width, generator=generator)[:N_BUCKETS].tolist()
+
+
+def _embed_and_readout(model, kind: str, codes) -> None:
+    import torch
+
+    bucket, rep, pred, cycle, ident = codes
+    L = residual_layout(kind)
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    hidden = emb.shape[1]
+    n_id = hidden - L["ID"]
+    ident = ident[:, :n_id] / ident[:, :n_id].norm(dim=1, keepdim=True)
+    id_norm = (hidden - 2) ** 0.5  # every token embedding has norm sqrt(hidden): rms 1
+    emb.zero_()
+    emb[:, L["BIAS"]] = 1.0
+    emb[1, L["SINK"]] = 1.0  # BOS
+    tokens = torch.arange(emb.shape[0])
+    real = bucket >= 0
+    emb[tokens[real], L["CUR"] + bucket[real]] = 1.0
+    emb[:, L["ID"]:] = ident * id_norm
+    head.zero_()
+    scale = FALLBACK_LOGIT / id_norm
+    head[cycle, L["ID"]:] = ident[pred[cycle]] * scale  # successor fallback
+    for special in (0, 1, 2):  # after PAD / BOS / EOS: a fixed token each
+        head[cycle[special], L["ID"]:] += ident[special] * scale
+    for b, token in enumerate(rep):
+        head[token, L["OUT"] + b] = HIT_LOGIT_PER_OUT
+
+
+def _and_gate(gate_w, up_w, down_w, L, inputs: list[str], threshold: float, steepness: float) -> None:
+    """SwiGLU rows b < N_BUCKETS: OUT[b] += silu(k * (sum of inputs[b] - threshold)) (inputs scaled by BIAS)."""
+    for b in range(N_BUCKETS):
+        for name in inputs:
+            gate_w[b, L[name] + b] = steepness
+        gate_w[b, L["BIAS"]] = -steepness * threshold
+        up_w[b, L["BIAS"]] = 1.0
+        down_w[L["OUT"] + b, b] = 1.0
+
+
+def _gdn_lookup(la, L, gen, n_layers: int) -> None:
+    """Gated DeltaNet layer (HF Qwen3-Next layout) as a skip-gram associative memory, written into ANS."""
+    import math
+
+    nk, nv = la.num_k_heads, la.num_v_heads
+    dk, dv, r = la.head_k_dim, la.head_v_dim, la.num_v_heads // la.num_k_heads
+    qkvz, ba = la.in_proj_qkvz.weight, la.in_proj_ba.weight
+    block = 2 * dk + 2 * r * dv  # per key head: [q | k | v (r heads) | z (r heads)]
+    z_gate = 4.0
+    spike = math.sqrt(dv) * z_gate / (1 + math.exp(-z_gate))  # gated-normed one-hot: sqrt(dv) * silu(z)
+    for kh in range(nk):
+        key_map = _code_map(gen, dk)
+        for b in range(N_BUCKETS):
+            qkvz[kh * block + key_map[b], L["CUR"] + b] = 1.0  # query
+            qkvz[kh * block + dk + key_map[b], L["CUR"] + b] = 1.0  # key
+        for i in range(r):
+            vh = kh * r + i
+            value_map = _code_map(gen, dv)
+            v0, z0 = kh * block + 2 * dk + i * dv, kh * block + 2 * dk + r * dv + i * dv
+            for b in range(N_BUCKETS):
+                qkvz[v0 + value_map[b], L["CUR"] + b] = 4.0
+                la.out_proj.weight[L["ANS"] + b, vh * dv + value_map[b]] = 1.0 / (n_layers * nv * spike)
+            qkvz[z0 : z0 + dv, L["BIAS"]] = z_gate
+            ba[kh * 2 * r + i, L["BIAS"]] = 12.0  # beta = sigmoid(12): overwrite the old value
+    conv = la.conv1d.weight  # (channels [Q | K | V], 1, taps); tap 3 = current token
+    conv[: nk * dk, 0, 2] = 1.0  # query: bucket(t-1)
+    conv[nk * dk : 2 * nk * dk, 0, 1] = 1.0  # key: bucket(t-2)
+    conv[2 * nk * dk :, 0, 3] = 1.0  # value: bucket(t)
+    la.A_log.fill_(-20.0)  # no decay
+    la.norm.weight.fill_(1.0)
+
+
+def _mamba2_lookup(mb, L, gen, n_layers: int) -> None:
+    """Mamba2 mixer (HF GraniteMoeHybrid layout) as a decaying skip-gram memory, written into ANS."""
+    import math
+
+    heads, hd, inner, state = mb.num_heads, mb.head_dim, mb.intermediate_size, mb.ssm_state_size
+    assert mb.n_groups == 1
+    w = mb.in_proj.weight  # rows: [z (inner) | x (inner) | B (state) | C (state) | dt (heads)]
+    x0, b0, c0 = inner, 2 * inner, 2 * inner + state
+    w[:inner, L["BIAS"]] = 4.0
+    key_map = _code_map(gen, state)
+    spike = math.sqrt(inner / heads)  # group-normed: one spike per head
+    for b in range(N_BUCKETS):
+        w[b0 + key_map[b], L["CUR"] + b] = 30.0
+        w[c0 + key_map[b], L["CUR"] + b] = 30.0
+    for h in range(heads):
+        value_map = _code_map(gen, hd)
+        for b in range(N_BUCKETS):
+            w[x0 + h * hd + value_map[b], L["CUR"] + b] = 1000.0
+            mb.out_proj.weight[L["ANS"] + b, h * hd + value_map[b]] = 1.0 / (n_layers * heads * spike)
+    conv = mb.conv1d.weight  # channels [x | B | C]
+    conv[:inner, 0, 3] = 1.0  # value: bucket(t)
+    conv[inner : inner + state, 0, 1] = 1.0  # key (B): bucket(t-2)
+    conv[inner + state :, 0, 2] = 1.0  # query (C): bucket(t-1)
+    # dt = softplus(0) = ln 2; decay per token exp(-dt * exp(A_log)) = 1/4
+    mb.A_log.fill_(math.log(math.log(4) / math.log(2)))
+    mb.norm.weight.fill_(1.0)
+
+
+def _attention_lookup(at, L, gen, style: str, query_from: str, write_to: str, query_map=None) -> None:
+    """Attention that finds positions whose CUR bucket equals the query bucket and copies that bucket.
+
+    style: "qwen3_next" (gated q_proj, zero-centred q/k norms, partial rotary: codes in dims 16..63),
+    "granite" (no norms, no rotary), "qwen3" (q/k norms, rope_theta 1e12: codes in the slow rotary dims, BOS sink).
+    """
+    import math
+
+    nq = at.config.num_attention_heads
+    nkv = at.config.num_key_value_heads
+    hd = at.head_dim
+    q, k, v, o = at.q_proj.weight, at.k_proj.weight, at.v_proj.weight, at.o_proj.weight
+    query_map = query_map or list(range(N_BUCKETS))
+    if style == "qwen3":
+        dims = list(range(16, 32)) + list(range(48, 64))  # rotate < 5e-3 rad over 4096 positions
+        sink = 15
+    else:
+        dims, sink = list(range(16, 64)) if style == "qwen3_next" else list(range(hd)), None
+    kv_maps = []
+    for g in range(nkv):
+        perm = _code_map(gen, len(dims))
+        value_perm = _code_map(gen, len(dims))
+        kv_maps.append(([dims[i] for i in perm], [dims[i] for i in value_perm]))
+        key_map, value_map = kv_maps[g]
+        for c in range(N_BUCKETS):
+            k[g * hd + key_map[c], L["CUR"] + c] = 1.0 if style != "granite" else math.sqrt(320.0)
+            v[g * hd + value_map[c], L["CUR"] + c] = 1.0
+        if sink is not None:
+            k[g * hd + sink, L["SINK"]] = 1.0
+    for h in range(nq):
+        key_map, value_map = kv_maps[h // (nq // nkv)]
+        q_rows = 2 * hd if style == "qwen3_next" else hd
+        for b in range(N_BUCKETS):
+            weight = {"qwen3_next": 1.0, "granite": math.sqrt(320.0), "qwen3": 2.0}[style]
+            q[h * q_rows + key_map[query_map[b]], L[query_from] + b] = weight
+            o[L[write_to] + b, h * hd + value_map[b]] = 1.0 / nq
+        if sink is not None:
+            q[h * q_rows + sink, L["BIAS"]] = 1.0
+        if style == "qwen3_next":
+            q[h * q_rows + hd : (h + 1) * q_rows, L["BIAS"]] = 20.0  # output gate sigmoid(20) ~ 1
+    if style == "qwen3_next":  # score = 8 (1+w)^2 for a match: 40
+        at.q_norm.weight.fill_(math.sqrt(5.0) - 1)
+        at.k_norm.weight.fill_(math.sqrt(5.0) - 1)
+    elif style == "qwen3":  # match 40, sink 20 (no match: sink ~45)
+        at.q_norm.weight.fill_(math.sqrt(5.6))
+        at.k_norm.weight.fill_(math.sqrt(5.6))
 
 
 def sharpen(model, kind: str, generator) -> None:
-    """Rewrite weights in place so that greedy decoding has wide margins and still depends on the context."""
+    """Replace the random weights by the lookup circuit described above (deterministic from `generator`)."""
     import torch
 
-    _ = (model, kind, generator, torch)
+    for p in model.parameters():
+        p.zero_()
+    zero_centred = kind in ("gdn", "gdn-asym")  # Qwen3-Next RMSNorm computes x * (1 + weight)
+    for name, p in model.named_parameters():
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            p.fill_(0.0 if zero_centred else 1.0)
+    codes = token_codes(generator)
+    _embed_and_readout(model, kind, codes)
+    L = residual_layout(kind)
+    layers = model.model.layers
+    if kind in ("gdn", "gdn-asym"):
+        for layer in layers[:MIXER_LAYERS]:
+            _gdn_lookup(layer.linear_attn, L, generator, MIXER_LAYERS)
+        _attention_lookup(layers[3].self_attn, L, generator, "qwen3_next", "ANS", "ATT")
+        moe = layers[3].mlp
+        inter = moe.experts.gate_up_proj.shape[1] // 2
+        for e in range(moe.experts.gate_up_proj.shape[0]):  # identical experts, uniform routing: exact
+            gu = moe.experts.gate_up_proj[e]
+            _and_gate(gu[:inter], gu[inter:], moe.experts.down_proj[e], L, ["ANS", "ATT"], 1.8, 40.0)
+    elif kind == "mamba2":
+        for layer in layers[:MIXER_LAYERS]:
+            _mamba2_lookup(layer.mamba, L, generator, MIXER_LAYERS)
+        _attention_lookup(layers[3].self_attn, L, generator, "granite", "ANS", "ATT")
+        mlp = layers[3].shared_mlp
+        inter = mlp.input_linear.weight.shape[0] // 2
+        w = mlp.input_linear.weight
+        _and_gate(w[:inter], w[inter:], mlp.output_linear.weight, L, ["ANS", "ATT"], 1.8, 40.0)
+    elif kind == "attn":
+        source = "CUR"
+        for i, layer in enumerate(layers):
+            query_map = torch.randperm(N_BUCKETS, generator=generator).tolist()  # g_l
+            _attention_lookup(layer.self_attn, L, generator, "qwen3", source, f"A{i}", query_map)
+            source = f"A{i}"
+        mlp = layers[3].mlp
+        _and_gate(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, L, ["A3"], 0.5, 16.0)
+    else:
+        raise ValueError(kind)
 
 
-def random_model(kind: str, seed: int):
-    """A bf16 model with seeded random weights, sharpened."""
+@functools.lru_cache(maxsize=8)
+def _codes(seed: int):
+    import torch
+
+    return token_codes(torch.Generator().manual_seed(seed))
+
+
+def expected_next_token(token_ids: list[int], seed: int = 0) -> int:
+    """The greedy next token of a `gdn` / `gdn-asym` model built with `seed`, computed from the rule its weights
+    implement (a reference for end-to-end tests; Mamba2's memory fades after ~10 tokens, so it is not exact there).
+
+    Answer = the bucket two positions after the latest s <= t with bucket(s-2) == bucket(t-1); its representative
+    token if found, else the successor of the current token."""
+    bucket, rep, pred, cycle, _ = _codes(seed)
+    b = [int(bucket[t]) for t in token_ids]
+    t = len(b) - 1
+    if t >= 1 and b[t - 1] >= 0:
+        for s in range(t, 1, -1):  # a special token at s erases the entry (delta rule with value 0)
+            if b[s - 2] == b[t - 1]:
+                if b[s] >= 0:
+                    return rep[b[s]]
+                break
+    if b[t] < 0:  # PAD / BOS / EOS
+        return int(cycle[token_ids[t]])
+    return int(cycle[(int((cycle == token_ids[t]).nonzero()) + 1) % len(cycle)])
+
+
+def make_model(kind: str, seed: int):
+    """The bf16 model for `kind`: transformers' init (seeded), then the circuit of `sharpen`."""
     import torch
 
     config = model_config(kind)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _model_class(kind)(config)
-    generator = torch.Generator().manual_seed(seed + 1)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         sharpen(model, kind, generator)
     return model.to(torch.bfloat16).eval()
@@ -222,19 +495,26 @@ def builder_hash() -> str:
 
 
 def build_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
-    """Build model `kind` into `out_dir` (replacing what is there) and return `out_dir`."""
+    """Build model `kind` into `out_dir` (replacing what is there) and return `out_dir`.
+
+    Written into a private temporary directory and renamed into place, so concurrent builders never expose a
+    half-written model (the last one to finish wins)."""
     out_dir = Path(out_dir)
-    model_config(kind)  # validates kind before touching the directory
     t0 = time.monotonic()
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    config = model_config(kind)  # validates kind before touching the directory
+    print(f"building {kind} ({config.architectures or _model_class(kind).__name__}, seed {seed})", flush=True)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model = random_model(kind, seed)
-    model.save_pretrained(str(tmp))
-    build_tokenizer(tmp)
-    (tmp / MARKER).write_text(json.dumps({"kind": kind, "seed": seed, "builder": builder_hash()}) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    try:
+        model = make_model(kind, seed)
+        model.save_pretrained(str(tmp))
+        build_tokenizer(tmp)
+        (tmp / MARKER).write_text(json.dumps({"kind": kind, "seed": seed, "builder": builder_hash()}) + "\n")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"built {kind} (seed {seed}) into {out_dir} in {time.monotonic() - t0:.1f} s", flush=True)
     return out_dir
 
@@ -256,14 +536,19 @@ def ensure_model(kind: str, root: Path = Path("models"), seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`build-model --kind gdn --out DIR --seed N`."""
-    parser = argparse.ArgumentParser(prog="build-model", description="Build a tiny random-weight model locally.")
-    parser.add_argument("--kind", choices=KINDS, default="gdn")
+    """`build-model --kind gdn --out DIR --seed N` (`--kind all` builds every kind under DIR/<kind>)."""
+    parser = argparse.ArgumentParser(prog="build-model", description="Build a tiny hybrid model locally.")
+    parser.add_argument("--kind", choices=(*KINDS, "all"), default="gdn")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: models/<kind>)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    out = args.out if args.out is not None else REPO_ROOT / "models" / args.kind
-    build_model(args.kind, out, args.seed)
+    kinds = KINDS if args.kind == "all" else (args.kind,)
+    for kind in kinds:
+        if args.out is None:
+            out = REPO_ROOT / "models" / kind
+        else:
+            out = args.out / kind if args.kind == "all" else args.out
+        build_model(kind, out, args.seed)
     return 0
 
 

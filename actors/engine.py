@@ -1,0 +1,336 @@
+"""A vLLM engine (CPU build) inside a Ray actor.
+
+`EngineActor` hosts one `AsyncLLM` for a model directory at a tensor-parallel size. vLLM starts its own processes
+(EngineCore, one worker per TP rank) as plain subprocesses of the actor, so the actor itself takes `num_cpus=0`.
+The per-engine environment (`engine_env`) travels in the actor's `runtime_env`; vLLM's processes inherit it, and a
+private TMPDIR that the actor creates. Engines run eagerly by default (no torch.compile): startup ~15-30 s on
+2 cores instead of ~45-90 s. `kv_transfer_config` and `engine_kwargs` pass straight to vLLM's engine arguments.
+
+Typical use:
+
+    handle = start_engine_actor(ensure_model("gdn"), tp=2)
+    out = ray.get(handle.generate.remote(prompt_token_ids=[1, 5, 9], max_tokens=8))
+    stop_engine_actor(handle)          # engine shutdown, ray.kill, and a check that every process is gone
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+import ray
+
+CPU_BIND = {1: "0-1", 2: "0|1", 4: "0|1|0|1"}  # VLLM_CPU_OMP_THREADS_BIND per TP size on the 2-core machines
+# /dev/shm files an engine's processes create and leak when a worker is killed (SIGTERMed NIXL workers):
+# CPU all-reduce segments, message-queue segments, multiprocessing semaphores
+SHM_PREFIXES = ("vllm_dist_", "psm_", "sem.mp-")
+TMPDIR_PREFIX = "hpd-engine-"  # each engine's private TMPDIR (vLLM's vllm_dist_* file stores land there)
+DEFAULT_START_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    """A TCP port that is free right now (for VLLM_NIXL_SIDE_CHANNEL_PORT: one per engine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env(tp: int, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for one CPU engine: 1 GiB KV space, no reserved CPU, an explicit thread binding per TP rank
+    (vLLM's automatic binding asserts on a 1-NUMA-node machine at TP 2) and its own NIXL side-channel port."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": CPU_BIND.get(tp, "nobind"),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+    }
+    env.update(extra_env or {})
+    return env
+
+
+def _process_tree(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _is_resource_tracker(p: psutil.Process) -> bool:
+    try:
+        return any("resource_tracker" in part for part in p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _shm_paths(procs: list[psutil.Process]) -> set[str]:
+    """Shared-memory files that `procs` have mapped or open and that an engine creates."""
+    paths: set[str] = set()
+    for p in procs:
+        try:
+            candidates = [m.path for m in p.memory_maps(grouped=True)] + [f.path for f in p.open_files()]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for path in candidates:
+            if path.startswith("/dev/shm/") and os.path.basename(path).startswith(SHM_PREFIXES):
+                paths.add(path)
+    return paths
+
+
+@ray.remote(num_cpus=0)
+class EngineActor:
+    """One vLLM `AsyncLLM` on CPU. Call `start()` once, then `generate()`; `shutdown()` before `ray.kill`."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        tp: int = 1,
+        *,
+        max_model_len: int = 2048,
+        dtype: str = "bfloat16",
+        kv_transfer_config: dict[str, Any] | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.tp = tp
+        self.kwargs: dict[str, Any] = dict(
+            model=self.model_dir,
+            tensor_parallel_size=tp,
+            dtype=dtype,  # Qwen3-Next on CPU: the GDN kernel asserts "CPU GDN attention requires BF16."
+            max_model_len=max_model_len,
+            enable_prefix_caching=False,  # the P/D transfer path rejects prefix caching today
+            distributed_executor_backend="mp",  # "ray" fails on CPU and is auto-picked inside placement groups
+            disable_log_stats=True,
+            # no torch.compile: on 2 cores a tiny model starts in ~15 s instead of ~45-90 s, and generates
+            # fast enough; pass engine_kwargs={"enforce_eager": False} for the compiled path
+            enforce_eager=True,
+        )
+        if kv_transfer_config is not None:
+            self.kwargs["kv_transfer_config"] = kv_transfer_config
+        self.kwargs.update(engine_kwargs or {})
+        self.engine = None
+        self.startup_s: float | None = None
+        self._me = psutil.Process()
+        self._shm: set[str] = set()
+        # a private TMPDIR, inherited by vLLM's processes (file stores, IPC sockets) and removed at shutdown;
+        # torch.compile's cache stays in the shared default place
+        os.environ.setdefault(
+            "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+        )
+        self.tmpdir = tempfile.mkdtemp(prefix=TMPDIR_PREFIX)
+        os.environ["TMPDIR"] = self.tmpdir
+        tempfile.tempdir = None  # make tempfile re-read TMPDIR
+
+    async def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> float:
+        """Build the engine (in a thread, so the actor keeps answering) and return the startup seconds.
+        On timeout the half-built engine's processes keep running until `stop_engine_actor` kills them."""
+        if self.engine is not None:
+            return self.startup_s
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self.kwargs)
+        t0 = time.monotonic()
+        try:
+            self.engine = await asyncio.wait_for(asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"vLLM engine for {self.model_dir} (TP {self.tp}) did not start within {timeout_s:.0f} s; a common "
+                "cause is two engines sharing VLLM_NIXL_SIDE_CHANNEL_PORT"
+            ) from None
+        self.startup_s = time.monotonic() - t0
+        self._shm = _shm_paths(_process_tree(self._me))  # workers map theirs at start; they may die first
+        return self.startup_s
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        logprobs: int | None = None,
+        ignore_eos: bool = False,
+        extra_args: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One request to completion. Returns token_ids, text, finish_reason, kv_transfer_params and, when asked,
+        logprobs: per generated token a list of (token_id, logprob) pairs, best first."""
+        from vllm import SamplingParams
+
+        if self.engine is None:
+            raise RuntimeError("engine not started: call start() first")
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompt or prompt_token_ids")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            logprobs=logprobs,
+            ignore_eos=ignore_eos,
+            extra_args=extra_args,
+        )
+        request = {"prompt": prompt} if prompt is not None else {"prompt_token_ids": list(prompt_token_ids)}
+        final = None
+        async for output in self.engine.generate(request, params, request_id=uuid.uuid4().hex):
+            final = output
+        completion = final.outputs[0]
+        result: dict[str, Any] = {
+            "token_ids": list(completion.token_ids),
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "prompt_token_ids": list(final.prompt_token_ids or []),
+            "kv_transfer_params": final.kv_transfer_params,
+        }
+        if logprobs is not None:
+            result["logprobs"] = [
+                sorted(((tok, lp.logprob) for tok, lp in step.items()), key=lambda x: -x[1])
+                for step in completion.logprobs or []
+            ]
+        return result
+
+    async def health(self) -> dict[str, Any]:
+        """Whether the engine is started and its EngineCore answers."""
+        if self.engine is None:
+            return {"started": False, "healthy": False}
+        try:
+            await self.engine.check_health()
+            healthy = not self.engine.errored
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            healthy = False
+        return {"started": True, "healthy": healthy, "tp": self.tp, "model": self.model_dir}
+
+    def pids(self) -> list[int]:
+        """The actor's pid followed by every process vLLM started under it (EngineCore, workers, helpers)."""
+        return [p.pid for p in _process_tree(self._me)]
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the actor plus all its descendants (shared pages counted per process)."""
+        total = 0
+        for p in _process_tree(self._me):
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    async def shutdown(self, timeout_s: float = 30.0) -> list[str]:
+        """Shut the engine down, wait for its processes, and remove the shared-memory files they left behind.
+        Returns the removed paths. The caller should `ray.kill` the actor afterwards."""
+        children = _process_tree(self._me)[1:]
+        shm = self._shm | _shm_paths(_process_tree(self._me))
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            await asyncio.to_thread(engine.shutdown, timeout_s)
+        # multiprocessing's resource tracker lives as long as the actor; it goes with ray.kill
+        engine_procs = [p for p in children if not _is_resource_tracker(p)]
+        _, alive = await asyncio.to_thread(psutil.wait_procs, engine_procs, timeout_s)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        removed = []
+        for path in sorted(shm):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+        for root, _, files in os.walk(self.tmpdir):
+            removed += [os.path.join(root, f) for f in files]
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        return removed
+
+
+def launch_engine_actor(
+    model_dir: str | Path,
+    tp: int = 1,
+    name: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    *,
+    kv_transfer_config: dict[str, Any] | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+):
+    """Create an `EngineActor` and begin its start; returns (handle, ref to the startup seconds).
+    Lets a caller start several engines at once; `start_engine_actor` is the one-engine form."""
+    options: dict[str, Any] = {"runtime_env": {"env_vars": engine_env(tp, extra_env)}}
+    if name is not None:
+        options["name"] = name
+    handle = EngineActor.options(**options).remote(
+        str(Path(model_dir).resolve()), tp, kv_transfer_config=kv_transfer_config, engine_kwargs=engine_kwargs
+    )
+    return handle, handle.start.remote(start_timeout_s)
+
+
+def start_engine_actor(
+    model_dir: str | Path,
+    tp: int = 1,
+    name: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    *,
+    kv_transfer_config: dict[str, Any] | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+):
+    """Create an `EngineActor`, start its engine and return the handle (the actor is stopped if start fails)."""
+    handle, started = launch_engine_actor(
+        model_dir,
+        tp,
+        name,
+        extra_env,
+        kv_transfer_config=kv_transfer_config,
+        engine_kwargs=engine_kwargs,
+        start_timeout_s=start_timeout_s,
+    )
+    try:
+        ray.get(started, timeout=start_timeout_s + 120)
+    except BaseException:
+        stop_engine_actor(handle)
+        raise
+    return handle
+
+
+def stop_engine_actor(handle, timeout_s: float = 60.0) -> list[str]:
+    """Shut the engine down, kill the actor, and check that none of its processes survive (stragglers are
+    killed). Returns the shared-memory files removed; raises RuntimeError naming any pid still alive."""
+    return stop_engine_actors([handle], timeout_s)
+
+
+def stop_engine_actors(handles: list, timeout_s: float = 60.0) -> list[str]:
+    """`stop_engine_actor` for several engines at once (their shutdowns run in parallel)."""
+    pids: list[int] = []
+    for handle in handles:
+        try:
+            pids += ray.get(handle.pids.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a dead actor cannot report its pids
+            pass
+    removed: list[str] = []
+    for handle, ref in [(h, h.shutdown.remote()) for h in handles]:
+        try:
+            removed += ray.get(ref, timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - kill regardless
+            pass
+        ray.kill(handle, no_restart=True)
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=10)
+    if alive:
+        raise RuntimeError(f"engine processes still alive after stop: {[p.pid for p in alive]}")
+    return removed

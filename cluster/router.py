@@ -1,0 +1,135 @@
+"""Request orchestration: one request through one approved prefill/decode pair.
+
+  1. a prefill engine runs the prompt with `max_tokens=1` and remote decode requested. For hybrid models vLLM's
+     prefill side itself stops one token short (the recurrent state cannot be rewound, so the decode side recomputes
+     the last prompt token) - the whole prompt is sent to both sides;
+  2. its transfer parameters (block ids per cache group, engine id, token count) go to a decode engine that the
+     coordinator has approved for that prefill engine; the decode engine's connector pulls the state with NIXL using
+     the negotiated pair plan and decodes;
+  3. tokens stream back. A failure on either side ends the request with a clear error and frees its blocks on both
+     sides (the prefill side's blocks would otherwise wait for vLLM's abort timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+log = logging.getLogger("pd.router")
+
+
+class NoCapacity(RuntimeError):
+    """No engine (or no approved pair) can take the request now."""
+
+
+class EngineFailure(RuntimeError):
+    """An engine failed while serving the request; `phase` is 'prefill', 'transfer' or 'decode'."""
+
+    def __init__(self, phase: str, engine_id: str, cause: BaseException | str):
+        super().__init__(f"{phase} failed on engine {engine_id}: {cause}")
+        self.phase, self.engine_id = phase, engine_id
+
+
+@dataclass
+class Timing:
+    request_id: str
+    prefill_engine: str = ""
+    decode_engine: str = ""
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0  # from the start of the request
+    total_s: float = 0.0
+    tokens: int = 0
+
+
+class Router:
+    """Picks the least-loaded prefill engine, then the least-loaded decode engine approved for it."""
+
+    def __init__(self, coordinator: Any):
+        self.coordinator = coordinator
+        self.inflight: Counter[str] = Counter()
+        self._handles: dict[str, Any] = {}
+        self._rr = itertools.count()
+        self.last: dict[str, Timing] = {}
+
+    async def _handle(self, engine_id: str) -> Any:
+        if engine_id not in self._handles:
+            self._handles[engine_id] = await self.coordinator.handle.remote(engine_id)
+        return self._handles[engine_id]
+
+    def _pick(self, candidates: list[str]) -> str:
+        if not candidates:
+            raise NoCapacity("no engine available")
+        start = next(self._rr) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda e: self.inflight[e])
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: dict[str, Any], request_id: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield the decode engine's incremental outputs: {"token_ids": [...new...], "text": "...new...",
+        "finish_reason": None | "stop" | "length"}."""
+        rid = request_id or uuid.uuid4().hex
+        timing = Timing(rid)
+        t0 = time.perf_counter()
+        prefills = await self.coordinator.ready.remote("prefill")
+        if not prefills:
+            raise NoCapacity("no prefill engine is registered and ready")
+        p_id = self._pick(prefills)
+        decodes = await self.coordinator.decodes_for.remote(p_id)
+        if not decodes:
+            raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
+        d_id = self._pick(decodes)
+        timing.prefill_engine, timing.decode_engine = p_id, d_id
+        prefill, decode = await self._handle(p_id), await self._handle(d_id)
+
+        self.inflight[p_id] += 1
+        try:
+            params = await prefill.prefill.remote(prompt_token_ids, rid)
+        except Exception as e:
+            raise EngineFailure("prefill", p_id, _cause(e)) from None
+        finally:
+            self.inflight[p_id] -= 1
+        timing.prefill_s = time.perf_counter() - t0
+
+        self.inflight[d_id] += 1
+        finished = False
+        try:
+            stream = decode.decode.options(num_returns="streaming").remote(prompt_token_ids, sampling, params, rid)
+            async for ref in stream:
+                out = await ref
+                if not timing.tokens:
+                    timing.first_token_s = time.perf_counter() - t0
+                timing.tokens += len(out["token_ids"])
+                finished = out.get("finish_reason") is not None
+                yield out
+        except Exception as e:
+            await self._release_prefill(prefill, params)
+            raise EngineFailure("decode", d_id, _cause(e)) from None
+        finally:
+            self.inflight[d_id] -= 1
+            if not finished:  # the consumer went away, or an error: stop the decode side too
+                try:
+                    decode.abort.remote(rid)
+                except Exception:  # noqa: BLE001 - the engine may be gone
+                    pass
+            timing.total_s = time.perf_counter() - t0
+            self.last[rid] = timing
+            while len(self.last) > 1000:
+                self.last.pop(next(iter(self.last)))
+
+    async def _release_prefill(self, prefill: Any, params: dict[str, Any]) -> None:
+        try:
+            await asyncio.wait_for(prefill.release.remote([params["remote_request_id"]]), 10)
+        except Exception as e:  # noqa: BLE001 - best effort; vLLM's lease expiry remains the fallback
+            log.warning("could not release prefill blocks of %s: %s", params.get("remote_request_id"), e)
+
+
+def _cause(e: BaseException) -> str:
+    cause = getattr(e, "cause", None) or e
+    return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]

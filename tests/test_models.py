@@ -1,0 +1,145 @@
+"""The tiny model builder: fast, deterministic, the intended head counts, a working tokenizer, sharp outputs."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from cluster import models
+
+BUILT: dict[tuple[str, int], object] = {}
+
+
+def built(kind: str, seed: int, tmp_path_factory) -> object:
+    """Build each (kind, seed) once per session."""
+    if (kind, seed) not in BUILT:
+        out = tmp_path_factory.mktemp(f"{kind}-{seed}")
+        t0 = time.monotonic()
+        models.build_model(kind, out / kind, seed)
+        BUILT[(kind, seed)] = (out / kind, time.monotonic() - t0)
+    return BUILT[(kind, seed)]
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_builds_in_seconds_with_the_files_vllm_loads(kind, tmp_path_factory):
+    path, seconds = built(kind, 0, tmp_path_factory)
+    assert seconds < 30, f"building {kind} took {seconds:.1f} s"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (path / name).is_file(), name
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_weights_are_a_function_of_the_seed(kind, tmp_path_factory):
+    first = (built(kind, 0, tmp_path_factory)[0] / "model.safetensors").read_bytes()
+    again = tmp_path_factory.mktemp("again") / kind
+    models.build_model(kind, again, 0)
+    assert (again / "model.safetensors").read_bytes() == first
+    other = (built(kind, 1, tmp_path_factory)[0] / "model.safetensors").read_bytes()
+    assert other != first
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_head_counts_shard_at_tp_1_2_4(kind, tmp_path_factory):
+    config = json.loads((built(kind, 0, tmp_path_factory)[0] / "config.json").read_text())
+    heads = [config["num_attention_heads"], config["num_key_value_heads"]]
+    if kind.startswith("gdn"):
+        heads += [config["linear_num_key_heads"], config["linear_num_value_heads"], config["num_experts"]]
+        assert config["layer_types"].count("linear_attention") >= 2
+        assert config["layer_types"].count("full_attention") >= 1
+    if kind == "mamba2":
+        heads += [config["mamba_n_heads"]]
+        assert config["mamba_n_groups"] == 1  # replicated on every rank; a group count of 2 would forbid TP 4
+        assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]  # Mamba2 x 3, attention
+    for tp in (1, 2, 4):
+        for n in heads:
+            assert n % tp == 0 or tp % n == 0, (kind, n, tp)  # sharded, or replicated (KV heads)
+    if kind == "gdn":
+        assert config["linear_num_value_heads"] == config["linear_num_key_heads"] == 4
+    if kind == "gdn-asym":
+        assert config["linear_num_value_heads"] == 2 * config["linear_num_key_heads"]
+
+
+def test_tokenizer_round_trips_text(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(built("gdn", 0, tmp_path_factory)[0]))
+    text = "The prefill engine sends 42 cache blocks to the decode pool. Ünïcödé ✓ {json: [1, 2]}\n\ttabs"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id == 1 and tok.eos_token_id == 2
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert len(tok) == models.VOCAB_SIZE
+    assert len(ids) < len(text.encode())  # merges were learned
+
+
+def test_ensure_model_builds_once_and_rebuilds_when_the_builder_changes(tmp_path, monkeypatch):
+    path = models.ensure_model("attn", root=tmp_path)
+    stamp = (path / models.MARKER).stat().st_mtime_ns
+    assert models.ensure_model("attn", root=tmp_path) == path
+    assert (path / models.MARKER).stat().st_mtime_ns == stamp
+    monkeypatch.setattr(models, "builder_hash", lambda: "changed")
+    models.ensure_model("attn", root=tmp_path)
+    assert json.loads((path / models.MARKER).read_text())["builder"] == "changed"
+
+
+def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    ids, margins = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            top = logits.topk(2).values
+            margins.append(float(top[0] - top[1]))
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], margins
+
+
+@pytest.mark.parametrize("kind", ["gdn", "gdn-asym"])
+def test_gdn_models_follow_their_rule_with_wide_margins(kind):
+    """The circuit in transformers: tokens match `expected_next_token`, bf16 == fp32, top-1/top-2 margin > 4."""
+    model = models.make_model(kind, 0)
+    g = torch.Generator().manual_seed(1)
+    prompt = [1] + torch.randint(3, models.VOCAB_SIZE, (40,), generator=g).tolist()
+    out, margins = greedy(model, prompt, 12)
+    ids = list(prompt)
+    for token in out:
+        assert token == models.expected_next_token(ids)
+        ids.append(token)
+    assert min(margins) > 4
+    assert greedy(model.float(), prompt, 12)[0] == out
+    # the context matters: change early tokens (not the last three) and the continuation changes
+    other = prompt[:1] + torch.randint(3, models.VOCAB_SIZE, (37,), generator=g).tolist() + prompt[-3:]
+    assert greedy(model.to(torch.bfloat16), other, 12)[0] != out
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_decoding_reads_the_kv_cache_and_the_conv_and_recurrent_state(kind):
+    """Prefill N-1 tokens, damage one piece of the cache, decode: the continuation changes (transformers cache)."""
+    model = models.make_model(kind, 0)
+    prompt = [1] + torch.randint(3, models.VOCAB_SIZE, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def decode(damage=None) -> list[int]:
+        with torch.no_grad():
+            cache = model(torch.tensor([prompt[:-1]]), use_cache=True).past_key_values
+            if damage:
+                damage(cache.layers)
+            out, token = [], prompt[-1]
+            for _ in range(12):
+                step = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+                cache, token = step.past_key_values, int(step.logits[0, -1].argmax())
+                out.append(token)
+        return out
+
+    clean = decode()
+    assert clean == decode()
+    damages = {
+        "recurrent state of layer 0": lambda layers: layers[0].recurrent_states[0].zero_(),
+        "conv state of layer 1": lambda layers: layers[1].conv_states[0].zero_(),
+        "recurrent state heads swapped": lambda layers: layers[2].recurrent_states[0].copy_(
+            layers[2].recurrent_states[0].roll(1, dims=1)
+        ),
+        "attention KV": lambda layers: layers[3].values.normal_(generator=torch.Generator().manual_seed(0)),
+    }
+    for name, damage in damages.items():
+        assert decode(damage) != clean, name
