@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import json
 import os
 import shutil
 import socket
@@ -35,6 +36,21 @@ CPU_BIND = {1: "0-1", 2: "0|1", 4: "0|1|0|1"}  # VLLM_CPU_OMP_THREADS_BIND per T
 SHM_PREFIXES = ("vllm_dist_", "psm_", "sem.mp-")
 TMPDIR_PREFIX = "hpd-engine-"  # each engine's private TMPDIR (vLLM's vllm_dist_* file stores land there)
 DEFAULT_START_TIMEOUT_S = 300.0
+CONNECTOR_MODULE = "actors.connector"
+
+
+def pd_kv_transfer_config(role: str, engine_id: str, device: str = "cpu") -> dict[str, Any]:
+    """The KV transfer config of a prefill or decode engine: the project's connector (vLLM's NIXL pull connector
+    with the coordinator's plans in its data path), cache memory on `device` (DRAM on CPU hosts, VRAM on GPUs)."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    return {
+        "kv_connector": "NixlConnector",  # the name vLLM keys behaviour on (DS conv layout, config checks)
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu" if device == "cpu" else "cuda",
+        "engine_id": engine_id,
+    }
 
 
 def free_port() -> int:
@@ -55,6 +71,13 @@ def engine_env(tp: int, extra_env: dict[str, str] | None = None) -> dict[str, st
     }
     env.update(extra_env or {})
     return env
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _process_tree(root: psutil.Process) -> list[psutil.Process]:
@@ -98,9 +121,17 @@ class EngineActor:
         dtype: str = "bfloat16",
         kv_transfer_config: dict[str, Any] | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        role: str | None = None,
+        engine_id: str | None = None,
+        served_model: str = "tiny-hybrid",
+        device: str = "cpu",
     ) -> None:
         self.model_dir = str(model_dir)
         self.tp = tp
+        self.role, self.served_model = role, served_model
+        self.engine_id = engine_id or f"{role or 'engine'}-{uuid.uuid4().hex[:8]}"
+        if role is not None and kv_transfer_config is None:
+            kv_transfer_config = pd_kv_transfer_config(role, self.engine_id, device)
         self.kwargs: dict[str, Any] = dict(
             model=self.model_dir,
             tensor_parallel_size=tp,
@@ -115,6 +146,8 @@ class EngineActor:
         )
         if kv_transfer_config is not None:
             self.kwargs["kv_transfer_config"] = kv_transfer_config
+            if kv_transfer_config.get("kv_connector_module_path") == CONNECTOR_MODULE:
+                self.kwargs["worker_extension_cls"] = f"{CONNECTOR_MODULE}.PDWorkerExtension"
         self.kwargs.update(engine_kwargs or {})
         self.engine = None
         self.startup_s: float | None = None
@@ -146,8 +179,11 @@ class EngineActor:
                 f"vLLM engine for {self.model_dir} (TP {self.tp}) did not start within {timeout_s:.0f} s; a common "
                 "cause is two engines sharing VLLM_NIXL_SIDE_CHANNEL_PORT"
             ) from None
-        self.startup_s = time.monotonic() - t0
         self._shm = _shm_paths(_process_tree(self._me))  # workers map theirs at start; they may die first
+        if self.role is not None:
+            # a fresh engine's first forward pass is several seconds slower; pay it here, not in a user's TTFT
+            await self.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=2)
+        self.startup_s = time.monotonic() - t0
         return self.startup_s
 
     async def generate(
@@ -193,6 +229,97 @@ class EngineActor:
                 for step in completion.logprobs or []
             ]
         return result
+
+    # ---- prefill/decode ------------------------------------------------------------------------------------------
+    async def registration(self) -> dict[str, Any]:
+        """What the coordinator needs: every rank's NIXL agent metadata, region bases and run-time layout."""
+        self._require_engine()
+        ranks = await self.engine.collective_rpc("pd_registration")
+        hf_config = json.loads((Path(self.model_dir) / "config.json").read_text())
+        return {"engine_id": self.engine_id, "role": self.role, "model": self.served_model, "hf_config": hf_config,
+                "ranks": sorted(ranks, key=lambda r: r["tp_rank"])}
+
+    async def register(self, coordinator: Any, registration: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Register with the coordinator (which pushes negotiated plans to decode engines). `registration` lets a
+        caller pass an edited registration (tests of what the coordinator does with wrong values)."""
+        return await coordinator.register.remote(registration or await self.registration(), self._self_handle())
+
+    async def install_pair(self, prefill_engine_id: str, payload: str) -> list[list[int]]:
+        """Give every decode worker the negotiated plan for one prefill engine."""
+        self._require_engine()
+        return await self.engine.collective_rpc("pd_install_pair", args=(prefill_engine_id, payload))
+
+    async def remove_pair(self, prefill_engine_id: str) -> None:
+        if self.engine is not None:
+            await self.engine.collective_rpc("pd_remove_pair", args=(prefill_engine_id,))
+
+    async def transfer_stats(self) -> list[dict[str, Any]]:
+        """Per request and decode rank: bytes, descriptors, milliseconds of the NIXL reads (drained on read)."""
+        self._require_engine()
+        return [s for rank in await self.engine.collective_rpc("pd_stats") for s in rank]
+
+    async def prefill(self, prompt_token_ids: list[int], request_id: str) -> dict[str, Any]:
+        """Run the prompt with remote decode requested; returns the transfer parameters for the decode engine."""
+        from vllm import SamplingParams
+
+        self._require_engine()
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0,
+            extra_args={"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
+        )
+        final = None
+        async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
+            final = output
+        if final is None or not final.kv_transfer_params:
+            raise RuntimeError(f"prefill of {request_id} returned no transfer parameters")
+        return dict(final.kv_transfer_params)
+
+    async def decode(self, prompt_token_ids: list[int], sampling: dict[str, Any], kv_transfer_params: dict[str, Any] | None, request_id: str):
+        """Stream a request's new tokens: {"token_ids", "text", "finish_reason"} per step. With
+        `kv_transfer_params` the prompt's state is pulled from the prefill engine they name; without, the engine runs
+        the whole request itself (colocated)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._require_engine()
+        extra = dict(sampling.pop("extra_args", None) or {})
+        if kv_transfer_params is not None:
+            extra["kv_transfer_params"] = kv_transfer_params
+        params = SamplingParams(**sampling, extra_args=extra or None, output_kind=RequestOutputKind.DELTA)
+        async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
+            c = output.outputs[0]
+            item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
+            if c.logprobs:
+                item["logprobs"] = [sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1]) for step in c.logprobs]
+            yield item
+
+    async def abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            await self.engine.abort(request_id)
+
+    async def release(self, remote_request_ids: list[str]) -> list[str]:
+        """Prefill side: free the blocks held for requests no decode engine will read (their decode side failed)."""
+        self._require_engine()
+        freed = await self.engine.collective_rpc("pd_release", args=(list(remote_request_ids),))
+        return sorted({r for rank in freed for r in rank})
+
+    async def pending_sends(self, wait_s: float = 5.0) -> list[str]:
+        """Prefill side: requests whose blocks are still held for a decode engine, after waiting up to `wait_s` for
+        the list to drain."""
+        self._require_engine()
+        deadline = time.monotonic() + wait_s
+        while True:
+            held = sorted({r for rank in await self.engine.collective_rpc("pd_pending_sends") for r in rank})
+            if not held or time.monotonic() >= deadline:
+                return held
+            await asyncio.sleep(0.1)
+
+    def _require_engine(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("engine not started: call start() first")
+
+    def _self_handle(self) -> Any:
+        return ray.get_runtime_context().current_actor
 
     async def health(self) -> dict[str, Any]:
         """Whether the engine is started and its EngineCore answers."""
@@ -257,14 +384,16 @@ def launch_engine_actor(
     kv_transfer_config: dict[str, Any] | None = None,
     engine_kwargs: dict[str, Any] | None = None,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    **actor_kwargs: Any,
 ):
     """Create an `EngineActor` and begin its start; returns (handle, ref to the startup seconds).
-    Lets a caller start several engines at once; `start_engine_actor` is the one-engine form."""
+    Lets a caller start several engines at once; `start_engine_actor` is the one-engine form. `actor_kwargs` go to
+    the actor (role, engine_id, served_model, max_model_len, dtype, device)."""
     options: dict[str, Any] = {"runtime_env": {"env_vars": engine_env(tp, extra_env)}}
     if name is not None:
         options["name"] = name
     handle = EngineActor.options(**options).remote(
-        str(Path(model_dir).resolve()), tp, kv_transfer_config=kv_transfer_config, engine_kwargs=engine_kwargs
+        str(Path(model_dir).resolve()), tp, kv_transfer_config=kv_transfer_config, engine_kwargs=engine_kwargs, **actor_kwargs
     )
     return handle, handle.start.remote(start_timeout_s)
 
@@ -331,6 +460,7 @@ def stop_engine_actors(handles: list, timeout_s: float = 60.0) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(alive, timeout=10)
+    alive = [p for p in alive if _running(p)]  # a killed process whose parent has not reaped it yet is gone
     if alive:
         raise RuntimeError(f"engine processes still alive after stop: {[p.pid for p in alive]}")
     return removed

@@ -21,7 +21,10 @@ class RegistrationError(ValueError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
+
+    def __reduce__(self):  # picklable across Ray actors
+        return (type(self), (self.field, self.message))
 
 
 @dataclass

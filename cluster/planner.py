@@ -31,7 +31,10 @@ class IncompatiblePair(ValueError):
     def __init__(self, field: str, prefill: object, decode: object, hint: str = ""):
         msg = f"{field}: prefill has {prefill!r}, decode has {decode!r}"
         super().__init__(msg + (f"; {hint}" if hint else ""))
-        self.field, self.prefill, self.decode = field, prefill, decode
+        self.field, self.prefill, self.decode, self.hint = field, prefill, decode, hint
+
+    def __reduce__(self):  # picklable across Ray actors
+        return (type(self), (self.field, self.prefill, self.decode, self.hint))
 
 
 def tp_ratio(prefill_tp: int, decode_tp: int) -> int:
@@ -231,7 +234,10 @@ class RequestError(ValueError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
+
+    def __reduce__(self):  # picklable across Ray actors
+        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True)

