@@ -31,7 +31,7 @@ class CoordinatorActor:
             model = model_shape(registration["hf_config"])
             layout = layout_from_report(registration["ranks"][0]["layout"], model)
         except (LayoutError, ValueError) as e:
-            raise RegistrationError(getattr(e, "field", "layout"), str(e)) from None
+            raise RegistrationError(getattr(e, "field", "layout"), getattr(e, "message", str(e))) from None
         for i, rank in enumerate(registration["ranks"]):
             if rank["layout"] != registration["ranks"][0]["layout"]:
                 raise RegistrationError(f"ranks[{i}].layout", "TP ranks of one engine report different layouts")

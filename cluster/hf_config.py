@@ -158,7 +158,8 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape:
     if model_type == "granitemoehybrid" or "mamba_n_heads" in text:
         n = r.get("num_hidden_layers")
         types = text.get("layer_types") or ["mamba"] * n
-        st, at = _layers_from_types(types, prefix + "layer_types", {"mamba"}, {"attention"})
+        # transformers writes "mamba"/"attention"; vLLM's loader looks up "linear_attention"/"full_attention"
+        st, at = _layers_from_types(types, prefix + "layer_types", {"mamba", "linear_attention"}, {"attention", "full_attention"})
         hidden = r.get("hidden_size")
         n_heads = r.get("mamba_n_heads")
         if "mamba_d_head" not in text or text["mamba_d_head"] in (None, "auto"):
