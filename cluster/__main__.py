@@ -1,4 +1,4 @@
-"""`python -m cluster <command>`: plan, build-model, run."""
+"""`python -m cluster <command>`: plan, build-model, bench, run."""
 
 from __future__ import annotations
 
@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build-model", help="build a tiny random-weight hybrid model with a locally trained tokenizer")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=lambda a: __import__("cluster.models", fromlist=["main"]).main(a.rest))
+
+    bench = sub.add_parser("bench", help="benchmarks (e2e: colocated vs disaggregated serving)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=lambda a: __import__("cluster.bench", fromlist=["main"]).main(a.rest))
 
     r = sub.add_parser("run", help="start the cluster described by a deployment file")
     r.add_argument("deploy", nargs="?", default="deploy.yaml")

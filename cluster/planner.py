@@ -135,7 +135,7 @@ class PairPlan:
                  r.local_offset + (d.ssm_offset if r.region == "ssm" else 0), r.size)
                 for r in reads
             ]
-            out.append(np.array(coalesce_rows(rows), dtype=np.int64).reshape(-1, 4))
+            out.append(coalesce(np.array(rows, dtype=np.int64).reshape(-1, 4)))
         return tuple(out)
 
     def describe(self) -> dict[str, object]:
@@ -151,19 +151,6 @@ class PairPlan:
             ],
             "remote_ranks": [list(self.remote_ranks(d)) for d in range(self.decode.tp)],
         }
-
-
-def coalesce_rows(rows: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
-    """Merge (rank, remote_off, local_off, size) rows that continue the previous one on both sides."""
-    out: list[tuple[int, int, int, int]] = []
-    for rank, ro, lo, size in rows:
-        if out:
-            prank, pro, plo, psize = out[-1]
-            if prank == rank and pro + psize == ro and plo + psize == lo:
-                out[-1] = (rank, pro, plo, psize + size)
-                continue
-        out.append((rank, ro, lo, size))
-    return out
 
 
 def validate_pair(prefill: EngineLayout, decode: EngineLayout) -> int:

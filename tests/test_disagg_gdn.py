@@ -142,6 +142,20 @@ def test_failed_decode_frees_prefill_blocks(pd):
     assert ray.get(prefill.pending_sends.remote()) == []
 
 
+def test_failed_prefill_is_a_clear_error(pd):
+    """A prompt the prefill engine rejects (longer than its context) fails the request before any decode work."""
+    from cluster.router import EngineFailure
+
+    async def too_long():
+        async for _ in pd.router.generate([1] * 5000, {"max_tokens": 4}, pair=("prefill-tp2", "decode-tp1")):
+            pass
+
+    with pytest.raises(EngineFailure, match=r"prefill failed on engine prefill-tp2: .*(longer than|maximum|max_model_len)"):
+        asyncio.run(too_long())
+    assert ray.get(pd.engines[("prefill", 2)].pending_sends.remote(wait_s=0)) == []
+    assert ray.get(pd.engines[("prefill", 2)].health.remote())["healthy"]
+
+
 def test_shutdown_leaves_no_engine_processes(pd):
     pids = pd.stop()
     assert len(pids) >= 4 * 3
