@@ -128,15 +128,6 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         return released
 
     # ---- handshake: from the negotiated plan ---------------------------------------------------------------------
-    def _notify_ranks(self, pair: PairPlan) -> list[int]:
-        """Prefill ranks this rank must notify when done: those it reads from, and - on rank 0 - any prefill rank
-        that no decode rank reads from (it still holds blocks for the request)."""
-        mine = set(pair.remote_ranks(self.tp_rank))
-        if self.tp_rank == 0:
-            read = {r for d in range(pair.decode.tp) for r in pair.remote_ranks(d)}
-            mine |= set(range(pair.prefill.tp)) - read
-        return sorted(mine)
-
     def _nixl_handshake(self, host, port, remote_tp_size, expected_engine_id, *args, **kwargs):  # type: ignore[override]
         pair = self._pd_pairs.get(expected_engine_id)
         if pair is None:
@@ -160,7 +151,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             ),
         )
         agents = {}
-        for r in self._notify_ranks(pair):
+        for r in pair.notify_ranks(self.tp_rank):
             name = self.nixl_wrapper.add_remote_agent(self._pd_remote[expected_engine_id][r]["agent_metadata"])
             agents[(0, r)] = name.decode() if isinstance(name, bytes) else name
         return agents, 0.0
@@ -185,7 +176,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             self._handle_failed_transfer(req_id, None, self._recv_failures)
             return
         plan_us = (time.perf_counter() - t0) * 1e6
-        consumers = _consumers(pair)
+        consumers = pair.consumers()
         remote = self._pd_remote[engine_id]
         local_bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
         rows_by_rank: dict[int, list[np.ndarray]] = {}
@@ -197,7 +188,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                         np.stack([sel[:, 1] + remote[int(r)]["region_bases"][region], sel[:, 2] + local_bases[region], sel[:, 3]], axis=1)
                     )
         n_desc = n_bytes = 0
-        for r in self._notify_ranks(pair):
+        for r in pair.notify_ranks(self.tp_rank):
             agent = self._remote_agents[engine_id][(0, r)]
             notif = f"{meta.remote.request_id}:{consumers[r]}".encode()
             if r not in rows_by_rank:
@@ -262,18 +253,6 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                 self._pd_done.append(info)
                 del self._pd_done[:-1000]
         return done, failed
-
-
-def _consumers(pair: PairPlan) -> list[int]:
-    """How many decode ranks notify each prefill rank (it frees a request's blocks after the last one)."""
-    counts = [0] * pair.prefill.tp
-    read = {r for d in range(pair.decode.tp) for r in pair.remote_ranks(d)}
-    for d in range(pair.decode.tp):
-        for r in pair.remote_ranks(d):
-            counts[r] += 1
-    for r in set(range(pair.prefill.tp)) - read:
-        counts[r] += 1  # decode rank 0 notifies it
-    return counts
 
 
 class NixlConnector(NixlPullConnector):

@@ -120,6 +120,23 @@ class PairPlan:
         ranks |= {h.remote_rank for h in self.kv_head_runs[decode_rank]}
         return tuple(sorted(ranks))
 
+    def notify_ranks(self, decode_rank: int) -> tuple[int, ...]:
+        """Prefill ranks this decode rank notifies when its reads are done: those it reads from and, on decode rank 0,
+        any prefill rank that no decode rank reads from (it still holds the request's blocks)."""
+        mine = set(self.remote_ranks(decode_rank))
+        if decode_rank == 0:
+            read = {r for d in range(self.decode.tp) for r in self.remote_ranks(d)}
+            mine |= set(range(self.prefill.tp)) - read
+        return tuple(sorted(mine))
+
+    def consumers(self) -> tuple[int, ...]:
+        """Per prefill rank, how many decode ranks notify it: it frees a request's blocks after the last of them."""
+        counts = [0] * self.prefill.tp
+        for d in range(self.decode.tp):
+            for r in self.notify_ranks(d):
+                counts[r] += 1
+        return tuple(counts)
+
     def state_descriptors(self, decode_rank: int) -> list[tuple[int, int, int, int]]:
         """The state reads of one layer's page as (remote_rank, remote_offset, local_offset, size) relative to the page
         start, with reads that are adjacent on both sides merged across regions."""

@@ -165,3 +165,16 @@ def test_config_families():
     m1 = model_shape({"model_type": "mamba", "num_hidden_layers": 2, "hidden_size": 32, "state_size": 8, "conv_kernel": 4})
     assert m1.attention is None and m1.state.ssm.unit_elems == 8
     assert model_shape({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}).state is None
+
+
+@pytest.mark.parametrize("p_tp, d_tp, kv", [(1, 2, 2), (2, 1, 2), (4, 1, 2), (4, 2, 1), (1, 4, 4), (8, 2, 2)])
+def test_every_prefill_rank_is_notified(p_tp, d_tp, kv):
+    """Each prefill rank holds blocks for every request: some decode rank must notify it, and the count it waits
+    for is the number of decode ranks that do."""
+    model = ModelShape("A", 2, (), (0, 1), None, AttentionShape(kv, 16))  # attention only: replicated heads
+    pair = plan_pair(offline_layout(model, p_tp), offline_layout(model, d_tp))
+    notified = [r for d in range(d_tp) for r in pair.notify_ranks(d)]
+    assert sorted(set(notified)) == list(range(p_tp))
+    assert list(pair.consumers()) == [notified.count(r) for r in range(p_tp)]
+    for d in range(d_tp):
+        assert set(pair.remote_ranks(d)) <= set(pair.notify_ranks(d))
