@@ -15,10 +15,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 log = logging.getLogger("pd.router")
@@ -36,17 +34,6 @@ class EngineFailure(RuntimeError):
         self.phase, self.engine_id = phase, engine_id
 
 
-@dataclass
-class Timing:
-    request_id: str
-    prefill_engine: str = ""
-    decode_engine: str = ""
-    prefill_s: float = 0.0
-    first_token_s: float = 0.0  # from the start of the request
-    total_s: float = 0.0
-    tokens: int = 0
-
-
 class Router:
     """Picks the least-loaded prefill engine, then the least-loaded decode engine approved for it."""
 
@@ -55,7 +42,6 @@ class Router:
         self.inflight: Counter[str] = Counter()
         self._handles: dict[str, Any] = {}
         self._rr = itertools.count()
-        self.last: dict[str, Timing] = {}
 
     async def _handle(self, engine_id: str) -> Any:
         if engine_id not in self._handles:
@@ -80,8 +66,6 @@ class Router:
         "finish_reason": None | "stop" | "length"}. `pair` pins (prefill engine id, decode engine id); it must be a
         pair the coordinator approved."""
         rid = request_id or uuid.uuid4().hex
-        timing = Timing(rid)
-        t0 = time.perf_counter()
         prefills = await self.coordinator.ready.remote("prefill")
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
@@ -92,7 +76,6 @@ class Router:
         if not decodes:
             raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
         d_id = pair[1] if pair else self._pick(decodes)
-        timing.prefill_engine, timing.decode_engine = p_id, d_id
         prefill, decode = await self._handle(p_id), await self._handle(d_id)
 
         self.inflight[p_id] += 1
@@ -102,7 +85,6 @@ class Router:
             raise EngineFailure("prefill", p_id, _cause(e)) from None
         finally:
             self.inflight[p_id] -= 1
-        timing.prefill_s = time.perf_counter() - t0
 
         self.inflight[d_id] += 1
         finished = False
@@ -110,9 +92,6 @@ class Router:
             stream = decode.decode.options(num_returns="streaming").remote(prompt_token_ids, sampling, params, rid)
             async for ref in stream:
                 out = await ref
-                if not timing.tokens:
-                    timing.first_token_s = time.perf_counter() - t0
-                timing.tokens += len(out["token_ids"])
                 finished = out.get("finish_reason") is not None
                 yield out
         except Exception as e:
@@ -125,10 +104,6 @@ class Router:
                     decode.abort.remote(rid)
                 except Exception:  # noqa: BLE001 - the engine may be gone
                     pass
-            timing.total_s = time.perf_counter() - t0
-            self.last[rid] = timing
-            while len(self.last) > 1000:
-                self.last.pop(next(iter(self.last)))
 
     async def _release_prefill(self, prefill: Any, params: dict[str, Any]) -> None:
         try:
