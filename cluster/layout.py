@@ -347,20 +347,6 @@ def fields_differ(a: ModelShape, b: ModelShape) -> list[tuple[str, object, objec
     return [(k, fa[k], fb[k]) for k in fa if fa[k] != fb[k]]
 
 
-__all__ = [
-    "AttentionShape",
-    "CacheGroup",
-    "default_groups",
-    "offline_layout",
-    "EngineLayout",
-    "LayoutError",
-    "ModelShape",
-    "Proj",
-    "StateShape",
-    "dtype_bytes",
-    "fields_differ",
-    "layout_from_report",
-]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -400,3 +386,19 @@ def layout_from_report(report: dict, model: ModelShape) -> EngineLayout:
         if not set(g.layers) <= set(layers):
             raise LayoutError(f"report.groups[{i}]", f"{g.kind} group lists layers {g.layers} that are not {g.kind} layers")
     return layout
+
+
+__all__ = [
+    "AttentionShape",
+    "CacheGroup",
+    "default_groups",
+    "offline_layout",
+    "EngineLayout",
+    "LayoutError",
+    "ModelShape",
+    "Proj",
+    "StateShape",
+    "dtype_bytes",
+    "fields_differ",
+    "layout_from_report",
+]

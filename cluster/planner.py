@@ -9,8 +9,8 @@ Two steps, at two frequencies:
     already has cached, and expands the templates into coalesced byte descriptors.
 
 Offsets in the templates are relative to the start of one layer's conv state, recurrent state or KV head block; the
-request plan turns them into offsets relative to a layer's region base. Every attention layer (and K and V) shares
-one descriptor pattern, as does every state layer, so the data path replicates a pattern over its regions.
+request plan turns them into offsets relative to a region's base. Layer i of every cache group lives in region i and
+the layers of a group share one descriptor pattern, so the data path replicates each pattern over its regions.
 
 No Ray, vLLM or NIXL imports here.
 """
