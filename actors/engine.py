@@ -314,6 +314,11 @@ class EngineActor:
                 return held
             await asyncio.sleep(0.1)
 
+    def side_channel_port(self) -> int:
+        """The port vLLM's NIXL side-channel listener of this engine binds (on VLLM_NIXL_SIDE_CHANNEL_HOST,
+        localhost by default)."""
+        return int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+
     def _require_engine(self) -> None:
         if self.engine is None:
             raise RuntimeError("engine not started: call start() first")

@@ -42,16 +42,18 @@ class PDCluster:
     def engine_id(self, role: str, tp: int) -> str:
         return f"{role}-tp{tp}"
 
-    def stop(self) -> list[int]:
-        pids = []
+    def stop(self) -> tuple[list[int], list[int]]:
+        """Stop everything; returns the engines' pids and side-channel ports (empty when already stopped)."""
+        pids, ports = [], []
         for h in self.engines.values():
             try:
                 pids += ray.get(h.pids.remote(), timeout=30)
-            except Exception:  # noqa: BLE001
+                ports.append(ray.get(h.side_channel_port.remote(), timeout=30))
+            except Exception:  # noqa: BLE001 - already stopped
                 pass
         stop_engine_actors(list(self.engines.values()))
         ray.kill(self.coordinator, no_restart=True)
-        return pids
+        return pids, ports
 
 
 async def run_pair(router: Router, prefill_id: str, decode_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:

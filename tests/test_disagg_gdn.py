@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import socket
 
 import psutil
 import pytest
@@ -156,8 +157,11 @@ def test_failed_prefill_is_a_clear_error(pd):
     assert ray.get(pd.engines[("prefill", 2)].health.remote())["healthy"]
 
 
-def test_shutdown_leaves_no_engine_processes(pd):
-    pids = pd.stop()
-    assert len(pids) >= 4 * 3
+def test_shutdown_leaves_no_engine_processes_or_ports(pd):
+    pids, ports = pd.stop()
+    assert len(pids) >= 4 * 3 and len(ports) == 4
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
+    for port in ports:  # every side-channel listener is gone: its port binds again
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
