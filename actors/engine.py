@@ -403,26 +403,10 @@ def launch_engine_actor(
     return handle, handle.start.remote(start_timeout_s)
 
 
-def start_engine_actor(
-    model_dir: str | Path,
-    tp: int = 1,
-    name: str | None = None,
-    extra_env: dict[str, str] | None = None,
-    *,
-    kv_transfer_config: dict[str, Any] | None = None,
-    engine_kwargs: dict[str, Any] | None = None,
-    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-):
-    """Create an `EngineActor`, start its engine and return the handle (the actor is stopped if start fails)."""
-    handle, started = launch_engine_actor(
-        model_dir,
-        tp,
-        name,
-        extra_env,
-        kv_transfer_config=kv_transfer_config,
-        engine_kwargs=engine_kwargs,
-        start_timeout_s=start_timeout_s,
-    )
+def start_engine_actor(model_dir: str | Path, tp: int = 1, *args: Any, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, **kwargs: Any):
+    """`launch_engine_actor` (same arguments), waiting for the start; returns the handle (the actor is stopped if
+    start fails)."""
+    handle, started = launch_engine_actor(model_dir, tp, *args, start_timeout_s=start_timeout_s, **kwargs)
     try:
         ray.get(started, timeout=start_timeout_s + 120)
     except BaseException:

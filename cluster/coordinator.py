@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from cluster.errors import FieldError
 from cluster.layout import EngineLayout, fields_differ
 from cluster.planner import IncompatiblePair, PairPlan, plan_pair
 from cluster.wire import pair_to_dict
@@ -16,15 +17,8 @@ from cluster.wire import pair_to_dict
 Role = Literal["prefill", "decode"]
 
 
-class RegistrationError(ValueError):
+class RegistrationError(FieldError):
     """An engine refused at registration; `field` names what is wrong."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
-
-    def __reduce__(self):  # picklable across Ray actors
-        return (type(self), (self.field, self.message))
 
 
 @dataclass

@@ -12,18 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cluster.errors import FieldError
 from cluster.layout import AttentionShape, ModelShape, Proj, StateShape
 
 
-class ConfigError(ValueError):
+class ConfigError(FieldError):
     """A config that cannot be read as a hybrid model; `field` names the key (with its path)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
-
-    def __reduce__(self):  # picklable across Ray actors
-        return (type(self), (self.field, self.message))
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
+from cluster.errors import FieldError
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
@@ -28,15 +30,8 @@ def dtype_bytes(dtype: str) -> int:
         raise LayoutError("dtype", f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
 
 
-class LayoutError(ValueError):
+class LayoutError(FieldError):
     """A model shape or TP size that cannot be laid out; `field` names the offending setting."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
-
-    def __reduce__(self):  # picklable across Ray actors
-        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True)

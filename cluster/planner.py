@@ -22,6 +22,7 @@ from functools import cached_property
 
 import numpy as np
 
+from cluster.errors import FieldError
 from cluster.layout import EngineLayout, Proj, fields_differ
 
 
@@ -233,15 +234,8 @@ def plan_pair(prefill: EngineLayout, decode: EngineLayout) -> PairPlan:
 # Per request: block alignment by token position and descriptor expansion
 
 
-class RequestError(ValueError):
+class RequestError(FieldError):
     """Block lists that cannot carry the request (too few blocks, bad token counts). Names the argument."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
-
-    def __reduce__(self):  # picklable across Ray actors
-        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True)
