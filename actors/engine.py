@@ -36,6 +36,7 @@ CPU_BIND = {1: "0-1", 2: "0|1", 4: "0|1|0|1"}  # VLLM_CPU_OMP_THREADS_BIND per T
 SHM_PREFIXES = ("vllm_dist_", "psm_", "sem.mp-")
 TMPDIR_PREFIX = "hpd-engine-"  # each engine's private TMPDIR (vLLM's vllm_dist_* file stores land there)
 DEFAULT_START_TIMEOUT_S = 300.0
+UNREAD_STATS_KEPT = 4096  # per-request transfer records kept until someone reads them (the totals keep counting)
 CONNECTOR_MODULE = "actors.connector"
 
 
@@ -151,6 +152,8 @@ class EngineActor:
         self.kwargs.update(engine_kwargs or {})
         self.engine = None
         self.startup_s: float | None = None
+        self._unread: list[dict[str, Any]] = []
+        self._totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0}
         self._me = psutil.Process()
         self._shm: set[str] = set()
         # a private TMPDIR, inherited by vLLM's processes (file stores, IPC sockets) and removed at shutdown;
@@ -253,10 +256,33 @@ class EngineActor:
         if self.engine is not None:
             await self.engine.collective_rpc("pd_remove_pair", args=(prefill_engine_id,))
 
+    async def _collect_stats(self) -> None:
+        """Move the workers' new per-request transfer records here, adding them to the running totals."""
+        fresh = [s for rank in await self.engine.collective_rpc("pd_stats") for s in rank]
+        self._unread = (self._unread + fresh)[-UNREAD_STATS_KEPT:]
+        for s in fresh:
+            self._totals["transfers"] += 1
+            self._totals["bytes"] += s["bytes"]
+            self._totals["descriptors"] += s["descriptors"]
+            self._totals["seconds"] += s["ms"] / 1e3
+
     async def transfer_stats(self) -> list[dict[str, Any]]:
         """Per request and decode rank: bytes, descriptors, milliseconds of the NIXL reads (drained on read)."""
         self._require_engine()
-        return [s for rank in await self.engine.collective_rpc("pd_stats") for s in rank]
+        await self._collect_stats()
+        out, self._unread = self._unread, []
+        return out
+
+    async def transfer_totals(self) -> dict[str, float]:
+        """Running totals of this (decode) engine's reads since start: transfers (one per request and decode rank),
+        bytes, descriptors, seconds. Not drained: what /metrics exports as counters."""
+        self._require_engine()
+        await self._collect_stats()
+        return dict(self._totals)
+
+    def num_unfinished(self) -> int:
+        """Requests this engine's front end still tracks (running, waiting, or waiting for remote state)."""
+        return self.engine.get_num_unfinished_requests() if self.engine is not None else 0
 
     async def prefill(self, prompt_token_ids: list[int], request_id: str) -> dict[str, Any]:
         """Run the prompt with remote decode requested; returns the transfer parameters for the decode engine."""
@@ -389,12 +415,16 @@ def launch_engine_actor(
     kv_transfer_config: dict[str, Any] | None = None,
     engine_kwargs: dict[str, Any] | None = None,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    num_gpus: int = 0,
     **actor_kwargs: Any,
 ):
     """Create an `EngineActor` and begin its start; returns (handle, ref to the startup seconds).
     Lets a caller start several engines at once; `start_engine_actor` is the one-engine form. `actor_kwargs` go to
-    the actor (role, engine_id, served_model, max_model_len, dtype, device)."""
+    the actor (role, engine_id, served_model, max_model_len, dtype, device). On CUDA hosts pass `num_gpus=tp`: Ray
+    then sets the actor's CUDA_VISIBLE_DEVICES, which vLLM's worker processes inherit."""
     options: dict[str, Any] = {"runtime_env": {"env_vars": engine_env(tp, extra_env)}}
+    if num_gpus:
+        options["num_gpus"] = num_gpus
     if name is not None:
         options["name"] = name
     handle = EngineActor.options(**options).remote(

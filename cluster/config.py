@@ -3,6 +3,7 @@ and the HTTP endpoint. A bad file is rejected with each field's path and the rea
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -36,7 +37,8 @@ class PoolConfig(_Strict):
     tp: int = Field(1, ge=1, le=8)
     min_replicas: int = Field(1, ge=0, le=64)
     max_replicas: int = Field(1, ge=1, le=64)
-    kv_cache_gib: float = Field(1.0, gt=0, le=1024)
+    kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="CPU hosts: DRAM for the KV/state cache per engine")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA hosts: vLLM's share of each GPU")
 
     @field_validator("tp")
     @classmethod
@@ -53,15 +55,39 @@ class PoolConfig(_Strict):
 
 
 class HttpConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` when set")
+    host: str = Field("127.0.0.1", min_length=1, description="bind address; loopback unless you mean to expose it")
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = Field(None, min_length=8, description="require `Authorization: Bearer <key>` when set")
+    api_key_env: str | None = Field(None, min_length=1, description="read the API key from this environment variable")
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of 503 answers")
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> "HttpConfig":
+        if self.api_key and self.api_key_env:
+            raise ValueError("set api_key or api_key_env, not both")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise DeployError(f"http.api_key_env: environment variable {self.api_key_env} is not set or empty")
+            return key
+        return self.api_key
+
+
+class CoordinatorConfig(_Strict):
+    name: str = Field("pd-coordinator", min_length=1, description="the coordinator actor's name")
+    namespace: str = Field("hybrid-pd", min_length=1, description="Ray namespace of the coordinator and engines")
+    engine_start_timeout_s: float = Field(600, gt=0, le=7200, description="give up on an engine that takes longer")
 
 
 class DeployConfig(_Strict):
     model: ModelConfig = ModelConfig()
     prefill: PoolConfig = PoolConfig(tp=1)
     decode: PoolConfig = PoolConfig(tp=2)
+    coordinator: CoordinatorConfig = CoordinatorConfig()
     http: HttpConfig = HttpConfig()
     device: Literal["cpu", "cuda"] = "cpu"
 
@@ -81,7 +107,10 @@ def load_deploy(path: str | Path) -> DeployConfig:
     if not isinstance(data, dict):
         raise DeployError(f"{p}: the top level must be a mapping")
     try:
-        return DeployConfig.model_validate(data)
+        cfg = DeployConfig.model_validate(data)
     except ValidationError as e:
         lines = [f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}" for err in e.errors()]
         raise DeployError(f"{p}: invalid deployment\n  " + "\n  ".join(lines)) from None
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        raise DeployError(f"{p}: invalid deployment\n  model.path: {cfg.model.path} is not a model directory (no config.json)")
+    return cfg

@@ -1,104 +1,220 @@
-"""Start the cluster a deployment file describes: `python -m cluster run deploy.yaml` (what `make run` does).
+"""Start and serve the cluster a deployment file describes, until stopped.
 
-Today it builds the model if needed, starts a local Ray instance (or joins RAY_ADDRESS), the coordinator and the
-prefill and decode engines, registers them (the coordinator negotiates every pair), and runs one disaggregated
-completion to show the path works, with its transfer statistics. The HTTP endpoint is not yet available.
+    python -m cluster.launch deploy.yaml          # what `make run` and `ray job submit ... -- python -m cluster.launch` run
+
+Builds the tiny model if the file names a builtin one, joins the Ray cluster (RAY_ADDRESS, as `ray job submit` sets
+it) or starts a local one, starts the coordinator and the prefill and decode engines (progress every 10 s while they
+load), registers them (the coordinator negotiates every pair), starts the HTTP ingress (Ray Serve), checks it with
+one completion, prints the URL and a curl line, and serves until Ctrl-C / SIGTERM (`ray job stop`), then shuts down
+the ingress, the engines and the coordinator.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import os
+import signal
 import sys
 import time
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from cluster.config import DeployConfig, DeployError, load_deploy
 
 
 def say(msg: str) -> None:
-    print(f"[run {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[hybrid-pd {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-async def _demo(cfg: DeployConfig, engines: dict, coordinator) -> None:
-    from cluster.router import Router
+@dataclass
+class Cluster:
+    cfg: DeployConfig
+    model_dir: Path
+    coordinator: Any
+    engines: dict[str, Any] = field(default_factory=dict)  # engine id -> handle
+    timings: dict[str, float] = field(default_factory=dict)
+    url: str | None = None
 
-    router = Router(coordinator)
-    model_dir = engines["model_dir"]
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt = "the prefill engine hands its state to the decode engine and the decode engine"
-    ids = tok(prompt)["input_ids"]
-    say(f"disaggregated completion of a {len(ids)}-token prompt ...")
-    t0 = time.perf_counter()
-    first = None
-    text = ""
-    async for out in router.generate(ids, {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}):
-        first = first or time.perf_counter() - t0
-        text += out["text"]
-    say(f"  time to first token {first * 1e3:.0f} ms, total {(time.perf_counter() - t0) * 1e3:.0f} ms")
-    say(f"  {prompt!r} -> {text!r}")
-    for d in engines["decode"]:
-        for s in await d.transfer_stats.remote():
-            say(
-                f"  transfer to decode rank {s['decode_rank']}: {s['bytes']} bytes in {s['descriptors']} descriptors "
-                f"from prefill ranks {s['remote_ranks']}, {s['ms']:.1f} ms (plan {s['plan_us']:.0f} us)"
+def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say) -> Cluster:
+    """Coordinator and engines, started and registered (Ray must be initialised). Raises with the engines stopped
+    when one fails to start or is refused by the coordinator."""
+    import ray
+
+    from actors.coordinator import CoordinatorActor
+    from actors.engine import launch_engine_actor, stop_engine_actors
+    from cluster.models import ensure_model
+
+    t0 = time.monotonic()
+    model_dir = Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin)
+    progress(f"model {cfg.model.name}: {model_dir}")
+    coordinator = CoordinatorActor.options(
+        name=cfg.coordinator.name, namespace=cfg.coordinator.namespace, get_if_exists=True
+    ).remote()
+    cluster = Cluster(cfg, model_dir, coordinator)
+    launched = []
+    for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        for i in range(max(pool.min_replicas, 1)):
+            engine_id = f"{role}-{i}"
+            handle, ref = launch_engine_actor(
+                model_dir, pool.tp, role=role, engine_id=engine_id, served_model=cfg.model.name,
+                max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
+                start_timeout_s=cfg.coordinator.engine_start_timeout_s, **_device_options(cfg, pool),
             )
+            cluster.engines[engine_id] = handle
+            launched.append((engine_id, pool.tp, ref))
+            progress(f"starting {role} engine {engine_id} (TP {pool.tp}) ...")
+    try:
+        pending = {ref: (engine_id, tp) for engine_id, tp, ref in launched}
+        while pending:
+            done, _ = ray.wait(list(pending), timeout=10)
+            for ref in done:
+                engine_id, tp = pending.pop(ref)
+                progress(f"{engine_id} (TP {tp}) loaded in {ray.get(ref):.0f} s")
+            if pending and not done:
+                progress(f"  still loading: {', '.join(e for e, _ in pending.values())} ({time.monotonic() - t0:.0f} s)")
+        cluster.timings["engines_s"] = time.monotonic() - t0
+        for engine_id in sorted(cluster.engines, key=lambda e: not e.startswith("prefill")):
+            result = ray.get(cluster.engines[engine_id].register.remote(coordinator))
+            pairs = ", ".join(f"{p}->{d}" for p, d in result["pairs"]) or "none yet"
+            progress(f"registered {engine_id}; negotiated pairs: {pairs}")
+        cluster.timings["registered_s"] = time.monotonic() - t0
+    except BaseException:
+        stop_engine_actors(list(cluster.engines.values()))
+        ray.kill(coordinator, no_restart=True)
+        raise
+    return cluster
+
+
+def _device_options(cfg: DeployConfig, pool) -> dict[str, Any]:
+    """CPU: the KV/state cache size in DRAM. CUDA: one GPU per TP rank and vLLM's share of its memory."""
+    if cfg.device == "cuda":
+        return {"num_gpus": pool.tp, "engine_kwargs": {"gpu_memory_utilization": pool.gpu_memory_utilization}}
+    return {"extra_env": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(pool.kv_cache_gib)))}}
+
+
+def ingress_settings(cluster: Cluster):
+    from actors.ingress import IngressSettings
+
+    cfg = cluster.cfg
+    return IngressSettings(
+        model_name=cfg.model.name, model_dir=str(cluster.model_dir), max_model_len=cfg.model.max_model_len,
+        coordinator_name=cfg.coordinator.name, namespace=cfg.coordinator.namespace,
+        api_key=cfg.http.resolved_api_key(), max_body_bytes=cfg.http.max_body_bytes, retry_after_s=cfg.http.retry_after_s,
+    )
+
+
+def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:
+    """Start Ray Serve's proxy on the configured host/port and deploy the ingress; returns the base URL."""
+    from ray import serve
+
+    from actors.ingress import APP_NAME, ingress_app
+
+    http = cluster.cfg.http
+    t0 = time.monotonic()
+    serve.start(http_options={"host": http.host, "port": http.port})
+    serve.run(ingress_app(ingress_settings(cluster)), name=APP_NAME, route_prefix="/", blocking=False)
+    cluster.url = f"http://{http.host}:{http.port}"
+    cluster.timings["http_s"] = time.monotonic() - t0
+    progress(f"HTTP ingress up in {cluster.timings['http_s']:.0f} s")
+    return cluster.url
+
+
+def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Callable[[str], None] = say) -> None:
+    """Remove the ingress, stop the engines (checking no process survives) and the coordinator."""
+    import ray
+    from ray import serve
+
+    from actors.engine import stop_engine_actors
+    from actors.ingress import APP_NAME
+
+    if cluster.url is not None:
+        try:
+            serve.shutdown() if shutdown_serve else serve.delete(APP_NAME)
+        except Exception as e:  # noqa: BLE001 - keep shutting the rest down
+            progress(f"could not remove the ingress: {e}")
+    progress("stopping engines ...")
+    stop_engine_actors(list(cluster.engines.values()))
+    ray.kill(cluster.coordinator, no_restart=True)
+
+
+def self_check(cluster: Cluster, api_key: str | None) -> dict[str, Any]:
+    """One streamed completion through the HTTP endpoint: time to first token and total, in ms."""
+    body = json.dumps({"model": cluster.cfg.model.name, "prompt": "the prefill engine hands its state to the decode engine",
+                       "max_tokens": 16, "temperature": 0, "stream": True}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(f"{cluster.url}/v1/completions", data=body, headers=headers)
+    t0 = time.perf_counter()
+    first, text = None, ""
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            if line.startswith(b"data: {"):
+                first = first or time.perf_counter() - t0
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return {"ttft_ms": (first or 0) * 1e3, "total_ms": (time.perf_counter() - t0) * 1e3, "text": text}
+
+
+def curl_line(cluster: Cluster) -> str:
+    auth = ""
+    if cluster.cfg.http.api_key or cluster.cfg.http.api_key_env:
+        var = cluster.cfg.http.api_key_env or "PD_API_KEY"
+        auth = f" -H \"Authorization: Bearer ${var}\""
+    body = json.dumps({"model": cluster.cfg.model.name, "prompt": "the decode engine", "max_tokens": 24, "stream": True})
+    return f"curl -N {cluster.url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_signal(signum, _frame) -> None:
+    raise _Stop(signal.Signals(signum).name)
 
 
 def main(argv: list[str]) -> int:
     path = argv[0] if argv else "deploy.yaml"
     try:
         cfg = load_deploy(path)
+        api_key = cfg.http.resolved_api_key()
     except DeployError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import ray
 
-    from actors.coordinator import get_or_create_coordinator
-    from actors.engine import launch_engine_actor, stop_engine_actors
-    from cluster.models import ensure_model
-
-    model_dir = Path(cfg.model.path) if cfg.model.path else ensure_model(cfg.model.builtin)
-    say(f"model {cfg.model.name}: {model_dir}")
+    t0 = time.monotonic()
     address = os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, include_dashboard=False, log_to_driver=False, **({} if address else {"num_cpus": 2}))
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    local = {} if address else {"num_cpus": 2, "include_dashboard": False}
+    ray.init(address=address, namespace=cfg.coordinator.namespace, log_to_driver=False, **local)
     say(f"Ray: {'joined ' + address if address else 'local instance'}")
-    coordinator = get_or_create_coordinator()
-    pools = {"prefill": cfg.prefill, "decode": cfg.decode}
-    launched = []
-    for role, pool in pools.items():
-        for i in range(max(pool.min_replicas, 1)):
-            handle, ref = launch_engine_actor(
-                model_dir, pool.tp, role=role, engine_id=f"{role}-{i}", served_model=cfg.model.name,
-                max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
-                extra_env={"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(pool.kv_cache_gib)))},
-            )
-            launched.append((role, i, pool.tp, handle, ref))
-            say(f"starting {role} engine {role}-{i} (TP {pool.tp}) ...")
-    handles = [h for *_, h, _ in launched]
+    cluster = None
     try:
-        pending = {ref: (role, i, tp) for role, i, tp, _, ref in launched}
-        t0 = time.time()
-        while pending:
-            done, _ = ray.wait(list(pending), timeout=10)
-            for ref in done:
-                role, i, tp = pending.pop(ref)
-                say(f"{role}-{i} (TP {tp}) ready in {ray.get(ref):.0f} s")
-            if pending and not done:
-                say(f"  still loading: {', '.join(f'{r}-{i}' for r, i, _ in pending.values())} ({time.time() - t0:.0f} s)")
-        for role, i, tp, handle, _ in sorted(launched, key=lambda x: x[0] != "prefill"):
-            result = ray.get(handle.register.remote(coordinator))
-            say(f"registered {role}-{i}; negotiated pairs: {result['pairs'] or 'none yet'}")
-        engines = {"model_dir": model_dir, "decode": [h for r, *_, h, _ in launched if r == "decode"]}
-        asyncio.run(_demo(cfg, engines, coordinator))
-        say("HTTP endpoint: not yet available (the serving issue); the engines above served the completion")
-    except KeyboardInterrupt:
-        say("interrupted")
+        cluster = start_cluster(cfg)
+        start_http(cluster)
+        check = self_check(cluster, api_key)
+        say(f"self-check: 16 tokens streamed, first after {check['ttft_ms']:.0f} ms, all after {check['total_ms']:.0f} ms")
+        say(f"ready in {time.monotonic() - t0:.0f} s: {cluster.url}/v1/completions  (model {cfg.model.name})")
+        print(f"\n  {curl_line(cluster)}\n", flush=True)
+        say("serving; Ctrl-C (or `ray job stop`) shuts everything down")
+        while True:
+            time.sleep(3600)
+    except (_Stop, KeyboardInterrupt) as e:
+        say(f"stopping ({e or 'interrupted'}) ...")
+    except Exception as e:
+        say(f"failed: {type(e).__name__}: {e}")
+        return 1
     finally:
-        say("shutting down engines ...")
-        stop_engine_actors(handles)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if cluster is not None:
+            stop_cluster(cluster, shutdown_serve=not address)
         ray.shutdown()
         say("done")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -42,6 +42,7 @@ class Router:
         self.inflight: Counter[str] = Counter()
         self._handles: dict[str, Any] = {}
         self._rr = itertools.count()
+        self._cleanup: set[asyncio.Task] = set()
 
     async def _handle(self, engine_id: str) -> Any:
         if engine_id not in self._handles:
@@ -79,8 +80,12 @@ class Router:
         prefill, decode = await self._handle(p_id), await self._handle(d_id)
 
         self.inflight[p_id] += 1
+        ref = prefill.prefill.remote(prompt_token_ids, rid)
         try:
-            params = await prefill.prefill.remote(prompt_token_ids, rid)
+            params = await ref
+        except asyncio.CancelledError:  # the client went away during prefill: stop it, free what it holds
+            self._background(self._cancel_prefill(prefill, ref))
+            raise
         except Exception as e:
             raise EngineFailure("prefill", p_id, _cause(e)) from None
         finally:
@@ -95,21 +100,40 @@ class Router:
                 finished = out.get("finish_reason") is not None
                 yield out
         except Exception as e:
-            await self._release_prefill(prefill, params)
             raise EngineFailure("decode", d_id, _cause(e)) from None
         finally:
             self.inflight[d_id] -= 1
-            if not finished:  # the consumer went away, or an error: stop the decode side too
+            if not finished:  # the consumer went away, or an error: stop the decode side, free the prefill side
                 try:
                     decode.abort.remote(rid)
                 except Exception:  # noqa: BLE001 - the engine may be gone
                     pass
+                self._background(self._release_prefill(prefill, params))
+
+    def _background(self, coro) -> None:
+        """Run clean-up to completion even though the request's own task is being cancelled."""
+        task = asyncio.ensure_future(coro)
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
 
     async def _release_prefill(self, prefill: Any, params: dict[str, Any]) -> None:
+        """Free the prefill side's blocks of a request whose decode side ended early (a no-op when the decode
+        engine already read them)."""
         try:
             await asyncio.wait_for(prefill.release.remote([params["remote_request_id"]]), 10)
         except Exception as e:  # noqa: BLE001 - best effort; vLLM's lease expiry remains the fallback
             log.warning("could not release prefill blocks of %s: %s", params.get("remote_request_id"), e)
+
+    async def _cancel_prefill(self, prefill: Any, ref: Any) -> None:
+        """Cancel a prefill nobody waits for; if it finished first, free the blocks it holds for a decode engine."""
+        import ray
+
+        ray.cancel(ref)
+        try:
+            params = await asyncio.wait_for(ref, 30)
+        except Exception:  # noqa: BLE001 - cancelled (the usual case) or failed: nothing is held
+            return
+        await self._release_prefill(prefill, params)
 
 
 def _cause(e: BaseException) -> str:

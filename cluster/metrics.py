@@ -1,0 +1,57 @@
+"""Prometheus metrics of the HTTP service: its own request counters and latency histograms, plus the cluster's state
+(pool sizes, transfer totals) collected from the coordinator and engines when /metrics is scraped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: they double the output and nobody graphs them
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServiceMetrics:
+    """One registry per ingress replica. `cluster_state` is set by the caller just before each scrape:
+    {"pools": {(role, state): count}, "transfers": {"transfers", "bytes", "descriptors", "seconds"}}."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pd_requests", "Completion requests by outcome (HTTP status)", ["status"], registry=r)
+        self.errors = Counter("pd_request_errors", "Failed requests by error code", ["code"], registry=r)
+        self.disconnects = Counter("pd_client_disconnects", "Requests whose client went away before the end", registry=r)
+        self.prompt_tokens = Counter("pd_prompt_tokens", "Prompt tokens of served requests", registry=r)
+        self.completion_tokens = Counter("pd_completion_tokens", "Generated tokens", registry=r)
+        self.inflight = Gauge("pd_requests_in_flight", "Requests being served now", registry=r)
+        self.ttft = Histogram("pd_time_to_first_token_seconds", "Request received to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pd_inter_token_latency_seconds", "Time between consecutive tokens of a request", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pd_request_seconds", "Request received to last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.cluster_state: dict[str, Any] = {}
+        r.register(_ClusterCollector(self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ClusterCollector:
+    def __init__(self, owner: ServiceMetrics):
+        self.owner = owner
+
+    def collect(self):
+        state = self.owner.cluster_state
+        pools = GaugeMetricFamily("pd_pool_engines", "Engines registered with the coordinator", labels=["role", "state"])
+        for (role, st), n in sorted(state.get("pools", {}).items()):
+            pools.add_metric([role, st], n)
+        yield pools
+        t = state.get("transfers", {})
+        for key, help_ in (("transfers", "NIXL transfers completed (one per request and decode rank)"),
+                           ("bytes", "Bytes read over NIXL by decode engines"),
+                           ("descriptors", "NIXL descriptors posted by decode engines"),
+                           ("seconds", "Seconds spent in NIXL transfers (sum over decode ranks)")):
+            fam = CounterMetricFamily(f"pd_transfer_{key}", help_)
+            fam.add_metric([], float(t.get(key, 0)))
+            yield fam
