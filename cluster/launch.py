@@ -185,10 +185,11 @@ def main(argv: list[str]) -> int:
 
     t0 = time.monotonic()
     address = os.environ.get("RAY_ADDRESS")
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
     local = {} if address else {"num_cpus": 2, "include_dashboard": False}
     ray.init(address=address, namespace=cfg.coordinator.namespace, log_to_driver=False, **local)
+    # after ray.init, which installs its own SIGTERM handler (a bare sys.exit)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     say(f"Ray: {'joined ' + address if address else 'local instance'}")
     cluster = None
     try:
