@@ -31,36 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.logger import init_logger
 
 from actors.engine_report import report_from_vllm
+from actors.nixl_setup import install_progress_delay
 from cluster.planner import PairPlan, RequestPlan, plan_request
 from cluster.wire import pair_from_dict
 
 logger = init_logger(__name__)
 
-# NIXL 1.5.1's Python agent hard-codes a progress-thread delay of 0 us: its progress thread spins a whole core per
-# engine rank even when idle, which on small hosts starves the engines themselves (measured: an idle TP 1 worker at
-# 100% CPU with it, 1.5% without NIXL). Substitute a short sleep between progress calls.
-PROGRESS_DELAY_US = int(os.environ.get("PD_NIXL_PROGRESS_DELAY_US", "200"))
-
-
-def _install_progress_delay(delay_us: int) -> None:
-    import nixl._api as nixl_api
-
-    bind = nixl_api.nixlBind
-    base = getattr(bind.nixlAgentConfig, "_pd_base", bind.nixlAgentConfig)
-
-    class AgentConfig(base):  # type: ignore[misc, valid-type]
-        _pd_base = base
-
-        def __setattr__(self, name: str, value: Any) -> None:
-            if name == "pthrDelay" and value == 0:
-                value = delay_us
-            super().__setattr__(name, value)
-
-    bind.nixlAgentConfig = AgentConfig
-
-
-if PROGRESS_DELAY_US > 0:
-    _install_progress_delay(PROGRESS_DELAY_US)
+install_progress_delay()  # before vLLM creates this worker's NIXL agent (see actors/nixl_setup.py)
 
 
 class PlannedPullWorker(NixlPullConnectorWorker):
@@ -240,7 +217,8 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         num_tokens = meta.remote.num_tokens or max(
             (len(remote_blocks[i]) * pair.prefill.block_size for i in attn), default=1
         )
-        return plan_request(pair, remote_blocks, local_blocks, num_tokens, num_cached_tokens=cached_blocks * d.block_size)
+        return plan_request(pair, remote_blocks, local_blocks, num_tokens, num_cached_tokens=cached_blocks * d.block_size,
+                            ranks=(self.tp_rank,))
 
     def _pop_done_transfers(self, transfers):  # type: ignore[override]
         done, failed = super()._pop_done_transfers(transfers)

@@ -50,7 +50,10 @@ class CoordinatorActor:
         self.handles[rec.engine_id] = handle
         # a pair serves only once its decode engine holds the plan
         try:
-            await asyncio.gather(*(self.handles[d].install_pair.remote(p, self.core.payload(p, d)) for p, d in pairs))
+            by_decode: dict[str, list[tuple[str, str]]] = {}
+            for p, d in pairs:  # one call per decode engine, carrying all its new plans
+                by_decode.setdefault(d, []).append((p, self.core.payload(p, d)))
+            await asyncio.gather(*(self.handles[d].install_pairs.remote(plans) for d, plans in by_decode.items()))
         except Exception:
             self.core.deregister(rec.engine_id)
             self.handles.pop(rec.engine_id, None)

@@ -252,6 +252,11 @@ class EngineActor:
         self._require_engine()
         return await self.engine.collective_rpc("pd_install_pair", args=(prefill_engine_id, payload))
 
+    async def install_pairs(self, plans: list[tuple[str, str]]) -> None:
+        """`install_pair` for several prefill engines at once: [(prefill engine id, payload)]."""
+        for prefill_engine_id, payload in plans:
+            await self.install_pair(prefill_engine_id, payload)
+
     async def remove_pair(self, prefill_engine_id: str) -> None:
         if self.engine is not None:
             await self.engine.collective_rpc("pd_remove_pair", args=(prefill_engine_id,))

@@ -1,9 +1,14 @@
-"""`python -m cluster bench e2e`: the tiny hybrid model served colocated and disaggregated, side by side in one run.
+"""`python -m cluster bench {e2e,transfer,scale}`: each measures its candidates side by side in one run and prints
+ratios (these machines are shared and noisy). Results go to results/bench_<name>.json and a PNG plot next to it.
 
-For each (prefill TP, decode TP) pair it starts the engines once, then alternates colocated requests (the decode
-engine runs the whole request itself) and disaggregated ones (prefill engine -> NIXL -> decode engine) on the same
-prompts, and prints time to first token, the transfer's share of it, bytes and descriptors per request, and the
-engines' peak resident memory. Results also go to results/bench_e2e.json.
+- e2e: the tiny hybrid model served colocated (the decode engine alone runs the whole request) and disaggregated
+  (prefill engine -> NIXL -> decode engine) on the same prompts: one request at a time for time to first token,
+  inter-token latency and the transfer's share of TTFT, then the same request stream `--concurrency` at a time for
+  throughput; bytes and descriptors per request; the engines' peak resident memory.
+- transfer: real NIXL READs between two Ray actors of a request's full hybrid state laid out as the planner lays it out
+  for real model shapes, verified by checksums, against a single-process memcpy of the same bytes.
+- scale: the coordinator's negotiation (registrations, plans cached per layout pair) for up to 64 x 64 engines with
+  synthetic layouts, against pairwise handshakes (a plan and a metadata round trip per pair).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ async def _ttft(stream_factory) -> tuple[float, float, int]:
     return first or 0.0, time.perf_counter() - t0, n
 
 
-async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: int, max_tokens: int) -> dict:
+async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: int, max_tokens: int, concurrency: int = 8) -> dict:
     import ray
 
     from actors.coordinator import CoordinatorActor
@@ -60,8 +65,25 @@ async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: in
                 colo.append(c)
                 disagg.append(d)
                 transfers.append(stats)
+        # the same request stream at `concurrency` in flight: output tokens per second, colocated vs disaggregated
+        stream = [[1] + [rng.randrange(3, 1024) for _ in range(prompt_len - 1)] for _ in range(concurrency * 2)]
+
+        async def drain(gen) -> int:
+            return sum([len(item["token_ids"]) async for item in gen])
+
+        async def phase(make) -> float:
+            t0 = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(drain(make(i, p)) for i, p in enumerate(stream))))
+            return tokens / (time.perf_counter() - t0)
+
+        tput_colo = await phase(lambda i, p: _stream(D, p, dict(sampling), f"tput-colo-{i}"))
+        tput_disagg = await phase(lambda i, p: router.generate(p, dict(sampling)))
+        await D.transfer_stats.remote()
         t_ms = [max(s["ms"] for s in st) for st in transfers]
         return {
+            "throughput_colocated_tok_s": round(tput_colo, 1),
+            "throughput_disaggregated_tok_s": round(tput_disagg, 1),
+            "concurrency": concurrency,
             "prefill_tp": p_tp,
             "decode_tp": d_tp,
             "prompt_tokens": prompt_len,
@@ -88,38 +110,260 @@ async def _stream(engine, prompt, sampling, rid):
         yield await ref
 
 
+# ---- transfer: NIXL READs of a request's full state vs memcpy -----------------------------------------------------
+MODELS = {"qwen3.5-0.8b": "configs/models/qwen3.5-0.8b.json", "qwen3.5-35b-a3b": "configs/models/qwen3.5-35b-a3b.json"}
+
+
+def naive_descriptors(pair, plan, decode_rank: int) -> int:
+    """What a per-element scheme posts: one descriptor per (attention layer, kernel block, KV head, K|V) and per
+    (state layer, conv sub-projection | recurrent state) - no merging of heads, of K and V, or of adjacent blocks."""
+    d = pair.decode
+    kv_blocks = -(-(plan.end_token - plan.first_token) // d.kernel_block_size)
+    attn_layers = sum(len(g.layers) for g in d.groups if g.kind == "attention")
+    state_layers = sum(len(g.layers) for g in d.groups if g.kind == "state")
+    parts = len(d.model.state.conv_projs) + 1 if d.model.state else 0
+    return attn_layers * kv_blocks * d.kv_heads_local * 2 + state_layers * parts
+
+
+def _sample_blocks(pair, tokens: int) -> tuple[list, list, int]:
+    blocks, pages = [], []
+    for layout in (pair.prefill, pair.decode):
+        at, per_group = 0, []
+        for group in layout.groups:
+            n = 1 if group.kind == "state" else -(-tokens // layout.block_size)
+            per_group.append(list(range(at, at + n)))
+            at += n
+        blocks.append(per_group)
+        pages.append(at)
+    return blocks[0], blocks[1], max(pages)
+
+
+def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list[int], reps: int) -> list[dict]:
+    import ray
+
+    from actors.transfer_bench import TransferSide
+    from cluster.hf_config import load_config, model_shape, ssm_dtype
+    from cluster.layout import offline_layout
+    from cluster.planner import plan_pair, plan_request
+
+    rows = []
+    for name in models:
+        cfg = load_config(MODELS[name])
+        model = model_shape(cfg)
+        sdtype = ssm_dtype(cfg, "bfloat16")
+        for p_tp, d_tp in pairs:
+            pair = plan_pair(offline_layout(model, p_tp, "bfloat16", sdtype), offline_layout(model, d_tp, "bfloat16", sdtype))
+            n_max = max(tokens)
+            pb, db, pages = _sample_blocks(pair, n_max)
+            P = TransferSide.remote(pair.prefill, pages, True)
+            D = TransferSide.remote(pair.decode, pages, False)
+            try:
+                ray.get(D.connect.remote(ray.get(P.metadata.remote())))
+                for n in tokens:
+                    pb, db, _ = _sample_blocks(pair, n)
+                    plan = plan_request(pair, pb, db, n - 1)
+                    plan_us = []
+                    for _ in range(max(reps, 20)):
+                        t0 = time.perf_counter()
+                        plan_request(pair, pb, db, n - 1)
+                        plan_us.append((time.perf_counter() - t0) * 1e6)
+                    nbytes = sum(plan.bytes(r) for r in range(d_tp))
+                    ray.get(D.clear.remote())
+                    first = ray.get(D.read.remote(plan))
+                    ok = ray.get(P.checksums.remote(plan, "remote")) == ray.get(D.checksums.remote(plan, "local"))
+                    if not ok:
+                        raise RuntimeError(f"{name} {p_tp}->{d_tp} {n} tokens: bytes read differ from the prefill side's")
+                    runs = [ray.get(D.read.remote(plan)) for _ in range(reps)]
+                    post = statistics.median(r["post_s"] for r in runs)
+                    wire = statistics.median(r["wire_s"] for r in runs)
+                    memcpy = ray.get(D.memcpy.remote(nbytes))
+                    row = {
+                        "model": name, "prefill_tp": p_tp, "decode_tp": d_tp, "prompt_tokens": n,
+                        "bytes": nbytes, "verified": ok, "transfers": first["transfers"],
+                        "nixl_ms": round(post * 1e3, 2), "nixl_wire_ms": round(wire * 1e3, 2),
+                        "nixl_gbps": round(nbytes / post / 1e9, 2), "nixl_wire_gbps": round(nbytes / wire / 1e9, 2),
+                        "memcpy_ms": round(memcpy * 1e3, 2), "memcpy_gbps": round(nbytes / memcpy / 1e9, 2),
+                        "ratio_to_memcpy": round(memcpy / post, 3),
+                        "descriptors": sum(plan.descriptors(r) for r in range(d_tp)),
+                        "descriptors_uncoalesced": sum(plan.uncoalesced),
+                        "descriptors_naive": sum(naive_descriptors(pair, plan, r) for r in range(d_tp)),
+                        "plan_us": round(statistics.median(plan_us), 1),
+                        "plan_us_per_decode_rank": round(statistics.median(plan_us) / d_tp, 1),
+                    }
+                    row["naive_over_descriptors"] = round(row["descriptors_naive"] / row["descriptors"], 1)
+                    rows.append(row)
+                    print(f"  {name} P{p_tp}->D{d_tp} {n:>6} tokens: {nbytes / 2**20:8.1f} MiB  NIXL {row['nixl_gbps']:6.2f} GB/s "
+                          f"(wire {row['nixl_wire_gbps']:6.2f})  memcpy {row['memcpy_gbps']:6.2f} GB/s  ratio {row['ratio_to_memcpy']:.2f}  "
+                          f"descriptors {row['descriptors']} (naive {row['descriptors_naive']})  plan {row['plan_us']} us", flush=True)
+            finally:
+                ray.kill(P)
+                ray.kill(D)
+    return rows
+
+
+# ---- scale: the coordinator's negotiation as pools grow, against pairwise handshakes --------------------------------
+def bench_scale(sizes: list[int], model_name: str = "qwen3.5-0.8b", p_tp: int = 1, d_tp: int = 2) -> list[dict]:
+    import os as _os
+
+    from cluster.coordinator import Coordinator, EngineRecord
+    from cluster.hf_config import load_config, model_shape, ssm_dtype
+    from cluster.layout import offline_layout
+    from cluster.planner import plan_pair
+
+    cfg = load_config(MODELS[model_name])
+    model = model_shape(cfg)
+    sdtype = ssm_dtype(cfg, "bfloat16")
+    layouts = {tp: offline_layout(model, tp, "bfloat16", sdtype) for tp in (p_tp, d_tp)}
+    meta_bytes = 2048  # a NIXL agent's metadata blob is ~1-3 KB per rank
+
+    def record(role: str, i: int, tp: int) -> EngineRecord:
+        ranks = [{"agent_metadata": _os.urandom(meta_bytes), "region_bases": [1 << 40] * layouts[tp].num_regions,
+                  "device_id": r, "memory_type": "DRAM"} for r in range(tp)]
+        return EngineRecord(f"{role}-{i}", role, "m", layouts[tp], ranks)
+
+    rows = []
+    for n in sizes:
+        prefills = [record("prefill", i, p_tp) for i in range(n)]
+        decodes = [record("decode", i, d_tp) for i in range(n)]
+        coord = Coordinator()
+        t0 = time.perf_counter()
+        pushes = payload_bytes = 0
+        for rec in [x for pair in zip(prefills, decodes) for x in pair]:  # engines join alternately, as pools grow
+            new = coord.register(rec)
+            pushes += len({d for _, d in new})  # one push per affected decode engine, carrying its new plans
+            payload_bytes += sum(len(coord.payload(p, d)) for p, d in new)
+        coord_s = time.perf_counter() - t0
+        # pairwise: every decode engine handshakes with every prefill engine it may read from: one round trip per
+        # remote prefill rank, then validates and plans the pair itself (no shared cache)
+        t0 = time.perf_counter()
+        sample = min(n * n, 64)
+        for k in range(sample):
+            plan_pair(prefills[k % n].layout, decodes[k // n % n].layout)
+        pairwise_s = (time.perf_counter() - t0) / sample * n * n
+        row = {
+            "prefill_engines": n, "decode_engines": n, "pairs": n * n,
+            "coordinator_ms": round(coord_s * 1e3, 2), "coordinator_plans_computed": coord.plans_computed,
+            "coordinator_messages": 2 * n + pushes, "coordinator_payload_mib": round(payload_bytes / 2**20, 2),
+            "registration_us_median": round(statistics.median(coord.negotiation_us), 1),
+            "pairwise_ms": round(pairwise_s * 1e3, 2), "pairwise_plans_computed": n * n,
+            "pairwise_round_trips": n * n * p_tp, "pairwise_metadata_mib": round(n * n * p_tp * meta_bytes / 2**20, 2),
+        }
+        row["pairwise_over_coordinator"] = round(row["pairwise_ms"] / max(row["coordinator_ms"], 1e-3), 1)
+        rows.append(row)
+        print(f"  {n:>3} x {n:<3} engines: coordinator {row['coordinator_ms']:9.2f} ms ({row['coordinator_plans_computed']} plans, "
+              f"{row['coordinator_messages']} messages)  pairwise {row['pairwise_ms']:9.2f} ms ({n * n} plans, "
+              f"{row['pairwise_round_trips']} round trips)", flush=True)
+    return rows
+
+
+# ---- output ------------------------------------------------------------------------------------------------------
+def write_results(name: str, rows: list[dict], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bench_{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}, indent=2))
+    try:
+        _plot(name, rows, out_dir / f"bench_{name}.png")
+    except Exception as e:  # noqa: BLE001 - the JSON is the result; a plot failure is reported, not fatal
+        print(f"(no plot: {e})")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return path
+
+
+def _plot(name: str, rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if name == "transfer":
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for key in sorted({(r["model"], r["prefill_tp"], r["decode_tp"]) for r in rows}):
+            sel = [r for r in rows if (r["model"], r["prefill_tp"], r["decode_tp"]) == key]
+            label = f"{key[0]} P{key[1]}->D{key[2]}"
+            axes[0].plot([r["prompt_tokens"] for r in sel], [r["nixl_gbps"] for r in sel], "o-", label=label)
+            axes[1].plot([r["prompt_tokens"] for r in sel], [r["ratio_to_memcpy"] for r in sel], "o-", label=label)
+        axes[0].plot([r["prompt_tokens"] for r in rows], [r["memcpy_gbps"] for r in rows], "k.", label="memcpy (same bytes)")
+        axes[0].set(xscale="log", xlabel="prompt tokens", ylabel="GB/s", title="NIXL READ of a request's state")
+        axes[1].axhline(0.7, color="grey", ls="--", lw=1)
+        axes[1].set(xscale="log", xlabel="prompt tokens", ylabel="NIXL / memcpy", title="ratio to the memcpy ceiling")
+        axes[0].legend(fontsize=7)
+    elif name == "scale":
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        n = [r["prefill_engines"] for r in rows]
+        ax.plot(n, [r["coordinator_ms"] for r in rows], "o-", label="coordinator (registrations, cached plans)")
+        ax.plot(n, [r["pairwise_ms"] for r in rows], "s-", label="pairwise handshakes (plan per pair)")
+        ax.set(xscale="log", yscale="log", xlabel="engines per pool (P = D)", ylabel="ms of planning",
+               title="negotiation cost as pools grow")
+        ax.legend()
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        labels = [f"P{r['prefill_tp']}->D{r['decode_tp']}" for r in rows]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["ttft_colocated_ms"] for r in rows], 0.4, label="colocated TTFT")
+        ax.bar([i + 0.2 for i in x], [r["ttft_disaggregated_ms"] for r in rows], 0.4, label="disaggregated TTFT")
+        ax.set_xticks(list(x), labels)
+        ax.set(ylabel="ms", title="time to first token (median)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in p.lower().split("x")) for p in text.split(",")]  # type: ignore[misc]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster bench")
     sub = ap.add_subparsers(dest="which", required=True)
     e = sub.add_parser("e2e", help="colocated vs disaggregated serving of the tiny model")
-    e.add_argument("--pairs", default="1x2,2x1", help="prefill x decode TP pairs (default 1x2,2x1)")
+    e.add_argument("--pairs", default="1x2", help="prefill x decode TP pairs (default 1x2)")
     e.add_argument("--prompt-tokens", type=int, default=700)
     e.add_argument("--reps", type=int, default=5)
     e.add_argument("--max-tokens", type=int, default=16)
+    e.add_argument("--concurrency", type=int, default=8, help="requests in flight in the throughput phase")
     e.add_argument("--model", default="gdn")
-    e.add_argument("--out", default="results/bench_e2e.json")
+    t = sub.add_parser("transfer", help="NIXL READs of a request's full hybrid state vs a memcpy of the same bytes")
+    t.add_argument("--models", default="qwen3.5-0.8b,qwen3.5-35b-a3b", help=f"from {', '.join(MODELS)}")
+    t.add_argument("--pairs", default="1x1,1x2,2x1", help="prefill x decode TP pairs")
+    t.add_argument("--tokens", default="1024,4096,16384", help="prompt lengths")
+    t.add_argument("--reps", type=int, default=5)
+    c = sub.add_parser("scale", help="coordinator negotiation cost for up to 64 x 64 engines vs pairwise handshakes")
+    c.add_argument("--sizes", default="1,2,4,8,16,32,64")
+    for p in (e, t, c):
+        p.add_argument("--out-dir", default="results")
     args = ap.parse_args(argv)
+    out_dir = Path(args.out_dir)
+
+    if args.which == "scale":
+        print("bench scale: registering synthetic engines (Qwen3.5-0.8B layouts, prefill TP 1, decode TP 2)")
+        write_results("scale", bench_scale([int(x) for x in args.sizes.split(",")]), out_dir)
+        return 0
 
     import ray
 
-    from cluster.models import ensure_model
-
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    model_dir = ensure_model(args.model)
-    rows = []
-    for pair in args.pairs.split(","):
-        p, d = (int(x) for x in pair.lower().split("x"))
-        print(f"bench e2e: prefill TP {p} -> decode TP {d} ...", flush=True)
-        rows.append(asyncio.run(_bench_pair(model_dir, p, d, args.prompt_tokens, args.reps, args.max_tokens)))
-        print(json.dumps(rows[-1]), flush=True)
-    ray.shutdown()
+    try:
+        if args.which == "transfer":
+            print("bench transfer: NIXL READs between two Ray actors (DRAM, UCX), planner layouts of real models")
+            rows = bench_transfer(args.models.split(","), _pairs(args.pairs), [int(x) for x in args.tokens.split(",")], args.reps)
+            write_results("transfer", rows, out_dir)
+            return 0
+        from cluster.models import ensure_model
+
+        model_dir = ensure_model(args.model)
+        rows = []
+        for p, d in _pairs(args.pairs):
+            print(f"bench e2e: prefill TP {p} -> decode TP {d} ...", flush=True)
+            rows.append(asyncio.run(_bench_pair(model_dir, p, d, args.prompt_tokens, args.reps, args.max_tokens, args.concurrency)))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        ray.shutdown()
     keys = ["prefill_tp", "decode_tp", "ttft_colocated_ms", "ttft_disaggregated_ms", "transfer_ms", "transfer_share_of_ttft",
-            "bytes_per_request", "descriptors_per_request", "descriptors_uncoalesced", "peak_rss_gib"]
+            "itl_colocated_ms", "itl_disaggregated_ms", "throughput_colocated_tok_s", "throughput_disaggregated_tok_s",
+            "bytes_per_request", "descriptors_per_request", "peak_rss_gib"]
     print(" | ".join(keys))
     for r in rows:
         print(" | ".join(str(r[k]) for k in keys))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
-    print(f"wrote {out}")
+    write_results("e2e", rows, out_dir)
     return 0

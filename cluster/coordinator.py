@@ -38,6 +38,12 @@ class Coordinator:
         self.pairs: dict[tuple[str, str], PairPlan] = {}
         self.transfers: deque[dict[str, Any]] = deque(maxlen=max_stats)
         self.negotiation_us: list[float] = []
+        # plans depend only on the two layouts (engine identity travels separately in `payload`): engines of one pool
+        # share a layout, so P x D pairs cost one plan per distinct (prefill layout, decode layout)
+        self._plans: dict[tuple[EngineLayout, EngineLayout], PairPlan] = {}
+        self.plans_computed = 0
+        self._plan_json: dict[int, str] = {}  # id(plan) -> JSON (plans live in self._plans as long as this cache)
+        self._ranks_json: dict[str, str] = {}  # prefill engine id -> its ranks' registrations as JSON
 
     # ---- membership ----
     def register(self, rec: EngineRecord) -> list[tuple[str, str]]:
@@ -55,16 +61,19 @@ class Coordinator:
                     f"ranks[{i}].region_bases", f"{len(r.get('region_bases', ()))} regions, the layout has {rec.layout.num_regions}"
                 )
         new: dict[tuple[str, str], PairPlan] = {}
+        pool_head: dict[str, str] = {}
         t0 = time.perf_counter()
         for other in self.engines.values():
             if other.model != rec.model:
                 raise RegistrationError("model", f"{rec.engine_id} serves {rec.model!r}, {other.engine_id} serves {other.model!r}")
             if other.role == rec.role:
-                _same_pool_check(other, rec)
+                if other.engine_id == pool_head.get(rec.role, other.engine_id):  # the pool's members all equal its first
+                    _same_pool_check(other, rec)
+                    pool_head[rec.role] = other.engine_id
                 continue
             p, d = (other, rec) if other.role == "prefill" else (rec, other)
             try:
-                new[(p.engine_id, d.engine_id)] = plan_pair(p.layout, d.layout)
+                new[(p.engine_id, d.engine_id)] = self._plan(p.layout, d.layout)
             except IncompatiblePair as e:
                 raise RegistrationError(
                     e.field, f"{rec.engine_id} ({rec.role}) is incompatible with {other.engine_id} ({other.role}): {e}"
@@ -74,8 +83,16 @@ class Coordinator:
         self.pairs.update(new)
         return list(new)
 
+    def _plan(self, prefill: EngineLayout, decode: EngineLayout) -> PairPlan:
+        key = (prefill, decode)
+        if key not in self._plans:
+            self._plans[key] = plan_pair(prefill, decode)
+            self.plans_computed += 1
+        return self._plans[key]
+
     def deregister(self, engine_id: str) -> None:
         self.engines.pop(engine_id, None)
+        self._ranks_json.pop(engine_id, None)
         for key in [k for k in self.pairs if engine_id in k]:
             del self.pairs[key]
 
@@ -92,13 +109,17 @@ class Coordinator:
             raise KeyError(f"no plan for prefill {prefill_id!r} -> decode {decode_id!r}: {why}") from None
 
     def payload(self, prefill_id: str, decode_id: str) -> str:
-        """The plan as the decode workers receive it: the pair plan and every prefill rank's registration."""
+        """The plan as the decode workers receive it: the pair plan and every prefill rank's registration. Both parts
+        are serialised once (per distinct plan, per prefill engine) and joined per pair."""
         pair = self.pair(prefill_id, decode_id)
-        ranks = [
-            {k: (v.hex() if isinstance(v, bytes) else v) for k, v in r.items() if k != "layout"}
-            for r in self.engines[prefill_id].ranks
-        ]
-        return json.dumps({"pair": pair_to_dict(pair), "prefill_ranks": ranks})
+        if id(pair) not in self._plan_json:
+            self._plan_json[id(pair)] = json.dumps(pair_to_dict(pair))
+        if prefill_id not in self._ranks_json:
+            self._ranks_json[prefill_id] = json.dumps([
+                {k: (v.hex() if isinstance(v, bytes) else v) for k, v in r.items() if k != "layout"}
+                for r in self.engines[prefill_id].ranks
+            ])
+        return f'{{"pair": {self._plan_json[id(pair)]}, "prefill_ranks": {self._ranks_json[prefill_id]}}}'
 
     def decodes_for(self, prefill_id: str) -> list[str]:
         return [d for (p, d) in self.pairs if p == prefill_id and self.engines[d].state == "ready"]

@@ -304,7 +304,18 @@ def _attention_rows(pair: PairPlan, decode_rank: int, p_blocks: np.ndarray, d_bl
     p, d = pair.prefill, pair.decode
     kp, kd = p.kernel_block_size, d.kernel_block_size
     if kp == kd and start % kp == 0 and end % kp == 0:  # the common case: whole kernel blocks on both sides
-        cuts = np.arange(start, end + 1, kp)
+        a = np.arange(start, end, kp)
+        p_base = _kernel_ids(p_blocks, a, p) * p.kernel_page_bytes
+        d_base = _kernel_ids(d_blocks, a, d) * d.kernel_page_bytes
+        runs = pair.kv_head_runs[decode_rank]
+        rows = np.empty((len(runs) * len(a), 4), np.int64)
+        for i, run in enumerate(runs):  # one read per (kernel block, head run)
+            part = rows[i * len(a):(i + 1) * len(a)]
+            part[:, 0] = run.remote_rank
+            part[:, 1] = p_base + run.remote_slot * p.kv_head_bytes
+            part[:, 2] = d_base + run.local_slot * d.kv_head_bytes
+            part[:, 3] = run.count * p.kv_head_bytes
+        return rows, len(rows)
     else:
         cuts = np.union1d(np.arange(-(-start // kp) * kp, end, kp), np.arange(-(-start // kd) * kd, end, kd))
         cuts = np.union1d(cuts, [start, end])
@@ -358,12 +369,14 @@ def plan_request(
     decode_blocks: list[list[int]] | tuple,
     num_tokens: int,
     num_cached_tokens: int = 0,
+    ranks: tuple[int, ...] | None = None,
 ) -> RequestPlan:
     """Descriptors for one request.
 
     `prefill_blocks` / `decode_blocks`: each engine's logical block ids per cache group (in its group order; a state
     group's running state sits in the last block of its list). `num_tokens`: tokens whose KV and state the prefill
-    engine computed. `num_cached_tokens`: the decode side's cached prefix, which is not read again."""
+    engine computed. `num_cached_tokens`: the decode side's cached prefix, which is not read again. `ranks`: plan only
+    these decode ranks (a decode worker needs its own; the others get no reads); default all."""
     p, d = pair.prefill, pair.decode
     for name, side, blocks in (("prefill_blocks", p, prefill_blocks), ("decode_blocks", d, decode_blocks)):
         if len(blocks) != len(side.groups):
@@ -378,7 +391,12 @@ def plan_request(
     reads: list[tuple[RegionReads, ...]] = []
     uncoalesced: list[int] = []
     end = num_tokens
+    wanted = range(d.tp) if ranks is None else ranks
     for rank in range(d.tp):
+        if rank not in wanted:
+            reads.append(())
+            uncoalesced.append(0)
+            continue
         by_regions: dict[tuple[int, ...], list[np.ndarray]] = {}
         baseline = 0
         for gi, (pg, dg) in enumerate(zip(p.groups, d.groups)):

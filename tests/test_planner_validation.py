@@ -178,3 +178,21 @@ def test_every_prefill_rank_is_notified(p_tp, d_tp, kv):
     assert list(pair.consumers()) == [notified.count(r) for r in range(p_tp)]
     for d in range(d_tp):
         assert set(pair.remote_ranks(d)) <= set(pair.notify_ranks(d))
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 8), (8, 1)])
+def test_planning_one_rank_equals_its_part_of_the_full_plan(p_tp, d_tp):
+    """What a decode worker computes for itself (ranks=(r,)) is exactly rank r's share of the whole request's plan."""
+    import numpy as np
+
+    model = model_shape(load_config("configs/models/qwen3.5-35b-a3b.json"))
+    pair = plan_pair(offline_layout(model, p_tp, "bfloat16", "float32"), offline_layout(model, d_tp, "bfloat16", "float32"))
+    blocks = []
+    for layout in (pair.prefill, pair.decode):
+        blocks.append([[5] if g.kind == "state" else list(range(10, 10 + 4096 // layout.block_size + 1)) for g in layout.groups])
+    full = plan_request(pair, blocks[0], blocks[1], 4095)
+    for r in range(d_tp):
+        one = plan_request(pair, blocks[0], blocks[1], 4095, ranks=(r,))
+        assert [x.regions for x in one.reads[r]] == [x.regions for x in full.reads[r]]
+        assert all(np.array_equal(a.rows, b.rows) for a, b in zip(one.reads[r], full.reads[r]))
+        assert one.uncoalesced[r] == full.uncoalesced[r] and all(not one.reads[o] for o in range(d_tp) if o != r)
