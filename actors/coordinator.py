@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from typing import Any
 
 import ray
@@ -15,6 +17,8 @@ from cluster.layout import LayoutError, layout_from_report
 from cluster.planner import IncompatiblePair
 
 COORDINATOR_NAME = "pd-coordinator"
+HEALTH_INTERVAL_S = float(os.environ.get("PD_HEALTH_INTERVAL_S", "2"))  # how often the coordinator checks engines
+HEALTH_TIMEOUT_S = 10.0  # an engine slower than this to answer is busy, not dead
 log = logging.getLogger("pd.coordinator")
 
 
@@ -23,10 +27,13 @@ class CoordinatorActor:
     def __init__(self) -> None:
         self.core = Coordinator()
         self.handles: dict[str, Any] = {}
+        self.removed: list[dict[str, Any]] = []
+        self._watcher: asyncio.Task | None = None
 
     async def register(self, registration: dict[str, Any], handle: Any) -> dict[str, Any]:
         """`registration`: what EngineActor.registration() returns. Refused with RegistrationError (its message names
         the field) when the engine cannot pair with the registered ones; then nothing is registered."""
+        self._ensure_watch()
         try:
             model = model_shape(registration["hf_config"])
             layout = layout_from_report(registration["ranks"][0]["layout"], model)
@@ -72,6 +79,39 @@ class CoordinatorActor:
             await asyncio.gather(
                 *(self.handles[d].remove_pair.remote(engine_id) for _, d in pairs if d in self.handles), return_exceptions=True
             )
+
+    async def engine_failed(self, engine_id: str) -> bool:
+        """A router saw `engine_id` fail a request: check it now and, if it is dead or unhealthy, take it out of
+        every pair (returns True). A slow answer is not a death: a busy engine keeps its pairs."""
+        handle = self.handles.get(engine_id)
+        if handle is None:
+            return False
+        try:
+            health = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
+            if health.get("healthy"):
+                return False
+            why = "unhealthy (its vLLM engine failed)"
+        except asyncio.TimeoutError:
+            return False
+        except Exception as e:  # noqa: BLE001 - the actor is gone
+            why = f"dead ({type(e).__name__})"
+        log.warning("engine %s is %s: removing it from every pair", engine_id, why)
+        self.removed.append({"engine_id": engine_id, "why": why, "time": time.time()})
+        await self.deregister(engine_id)
+        return True
+
+    async def _watch(self) -> None:
+        """Check every registered engine every HEALTH_INTERVAL_S; the dead leave the registry."""
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            await asyncio.gather(*(self.engine_failed(e) for e in list(self.handles)), return_exceptions=True)
+
+    def _ensure_watch(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    def removed_engines(self) -> list[dict[str, Any]]:
+        return list(self.removed)
 
     def set_state(self, engine_id: str, state: str) -> None:
         self.core.set_state(engine_id, state)  # type: ignore[arg-type]

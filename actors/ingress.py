@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.metrics import ServiceMetrics
 from cluster.openai_api import (
-    APIError, CompletionRequest, chunk, completion, error_body, model_list, new_id, usage, validation_error,
+    APIError, CompletionRequest, chunk, completion, error_body, model_list, new_id, request_schema, usage, validation_error,
 )
 from cluster.router import EngineFailure, NoCapacity, Router
 
@@ -177,7 +177,7 @@ class Service:
             if isinstance(got, dict):
                 for k in totals:
                     totals[k] += got[k]
-        return {"pools": pools, "transfers": totals}
+        return {"pools": pools, "transfers": totals, "retried": self.router.retried}
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -234,7 +234,8 @@ def build_app(service: Service) -> FastAPI:
         service.authorize(request)
         return model_list(service.settings.model_name, service.created)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": request_schema()}}}})
     async def completions(request: Request) -> Response:
         try:
             service.authorize(request)

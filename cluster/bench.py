@@ -121,20 +121,24 @@ def naive_descriptors(pair, plan, decode_rank: int) -> int:
     kv_blocks = -(-(plan.end_token - plan.first_token) // d.kernel_block_size)
     attn_layers = sum(len(g.layers) for g in d.groups if g.kind == "attention")
     state_layers = sum(len(g.layers) for g in d.groups if g.kind == "state")
-    parts = len(d.model.state.conv_projs) + 1 if d.model.state else 0
-    return attn_layers * kv_blocks * d.kv_heads_local * 2 + state_layers * parts
+    # per state layer: each (prefill rank, conv sub-projection | recurrent state) piece this rank needs
+    return attn_layers * kv_blocks * d.kv_heads_local * 2 + state_layers * len(pair.state_reads[decode_rank])
 
 
-def _sample_blocks(pair, tokens: int) -> tuple[list, list, int]:
+def _sample_blocks(pair, tokens: int, scattered: bool = False, pool: int = 0) -> tuple[list, list, int]:
+    """Block ids of one request on both sides: consecutive (a fresh engine's allocation, the best case for
+    coalescing) or `scattered` (random distinct ids out of `pool` pages, as after a long-running engine's churn)."""
+    rng = random.Random(tokens)
     blocks, pages = [], []
     for layout in (pair.prefill, pair.decode):
         at, per_group = 0, []
-        for group in layout.groups:
-            n = 1 if group.kind == "state" else -(-tokens // layout.block_size)
-            per_group.append(list(range(at, at + n)))
+        sizes = [1 if g.kind == "state" else -(-tokens // layout.block_size) for g in layout.groups]
+        ids = rng.sample(range(max(pool, sum(sizes))), sum(sizes)) if scattered else list(range(sum(sizes)))
+        for n in sizes:
+            per_group.append(ids[at:at + n])
             at += n
         blocks.append(per_group)
-        pages.append(at)
+        pages.append(max(ids) + 1)
     return blocks[0], blocks[1], max(pages)
 
 
@@ -154,13 +158,14 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
         for p_tp, d_tp in pairs:
             pair = plan_pair(offline_layout(model, p_tp, "bfloat16", sdtype), offline_layout(model, d_tp, "bfloat16", sdtype))
             n_max = max(tokens)
-            pb, db, pages = _sample_blocks(pair, n_max)
-            P = TransferSide.remote(pair.prefill, pages, True)
-            D = TransferSide.remote(pair.decode, pages, False)
+            _, _, pool = _sample_blocks(pair, n_max)
+            pool *= 2  # room to scatter
+            P = TransferSide.remote(pair.prefill, pool, True)
+            D = TransferSide.remote(pair.decode, pool, False)
             try:
                 ray.get(D.connect.remote(ray.get(P.metadata.remote())))
-                for n in tokens:
-                    pb, db, _ = _sample_blocks(pair, n)
+                for n, scattered in ((n, s) for n in tokens for s in (False, True)):
+                    pb, db, _ = _sample_blocks(pair, n, scattered, pool)
                     plan = plan_request(pair, pb, db, n - 1)
                     plan_us = []
                     for _ in range(max(reps, 20)):
@@ -179,6 +184,7 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
                     memcpy = ray.get(D.memcpy.remote(nbytes))
                     row = {
                         "model": name, "prefill_tp": p_tp, "decode_tp": d_tp, "prompt_tokens": n,
+                        "blocks": "scattered" if scattered else "consecutive",
                         "bytes": nbytes, "verified": ok, "transfers": first["transfers"],
                         "nixl_ms": round(post * 1e3, 2), "nixl_wire_ms": round(wire * 1e3, 2),
                         "nixl_gbps": round(nbytes / post / 1e9, 2), "nixl_wire_gbps": round(nbytes / wire / 1e9, 2),
@@ -192,7 +198,7 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
                     }
                     row["naive_over_descriptors"] = round(row["descriptors_naive"] / row["descriptors"], 1)
                     rows.append(row)
-                    print(f"  {name} P{p_tp}->D{d_tp} {n:>6} tokens: {nbytes / 2**20:8.1f} MiB  NIXL {row['nixl_gbps']:6.2f} GB/s "
+                    print(f"  {name} P{p_tp}->D{d_tp} {n:>6} tokens {row['blocks'][:5]}: {nbytes / 2**20:6.1f} MiB  NIXL {row['nixl_gbps']:6.2f} GB/s "
                           f"(wire {row['nixl_wire_gbps']:6.2f})  memcpy {row['memcpy_gbps']:6.2f} GB/s  ratio {row['ratio_to_memcpy']:.2f}  "
                           f"descriptors {row['descriptors']} (naive {row['descriptors_naive']})  plan {row['plan_us']} us", flush=True)
             finally:
@@ -278,8 +284,8 @@ def _plot(name: str, rows: list[dict], path: Path) -> None:
     if name == "transfer":
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for key in sorted({(r["model"], r["prefill_tp"], r["decode_tp"]) for r in rows}):
-            sel = [r for r in rows if (r["model"], r["prefill_tp"], r["decode_tp"]) == key]
-            label = f"{key[0]} P{key[1]}->D{key[2]}"
+            sel = [r for r in rows if (r["model"], r["prefill_tp"], r["decode_tp"]) == key and r["blocks"] == "scattered"]
+            label = f"{key[0]} P{key[1]}->D{key[2]} (scattered blocks)"
             axes[0].plot([r["prompt_tokens"] for r in sel], [r["nixl_gbps"] for r in sel], "o-", label=label)
             axes[1].plot([r["prompt_tokens"] for r in sel], [r["ratio_to_memcpy"] for r in sel], "o-", label=label)
         axes[0].plot([r["prompt_tokens"] for r in rows], [r["memcpy_gbps"] for r in rows], "k.", label="memcpy (same bytes)")
@@ -287,6 +293,13 @@ def _plot(name: str, rows: list[dict], path: Path) -> None:
         axes[1].axhline(0.7, color="grey", ls="--", lw=1)
         axes[1].set(xscale="log", xlabel="prompt tokens", ylabel="NIXL / memcpy", title="ratio to the memcpy ceiling")
         axes[0].legend(fontsize=7)
+    elif name == "load":
+        r = rows[0]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+        ax.bar(keys, [r[k] or 0 for k in keys])
+        ax.set(ylabel="ms", title=f"{r['clients']} clients, {r['ok']} requests, {r['output_tokens_per_s']} tok/s, "
+               f"{r['lost_or_malformed']} lost")
     elif name == "scale":
         fig, ax = plt.subplots(figsize=(7, 4.5))
         n = [r["prefill_engines"] for r in rows]
@@ -307,6 +320,43 @@ def _plot(name: str, rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _load_main(args: argparse.Namespace, out_dir: Path) -> int:
+    import os as _os
+
+    from cluster.loadgen import run_load
+
+    key = _os.environ.get(args.api_key_env) if args.api_key_env else None
+    cluster = None
+    if args.url:
+        url, model = args.url.rstrip("/"), args.model or "tiny-hybrid"
+    else:
+        import ray
+
+        from cluster.config import load_deploy
+        from cluster.launch import start_cluster, start_http
+
+        cfg = load_deploy(args.deploy)
+        key = key or cfg.http.resolved_api_key()
+        ray.init(namespace=cfg.coordinator.namespace, num_cpus=2, include_dashboard=False, log_to_driver=False)
+        cluster = start_cluster(cfg)
+        url, model = start_http(cluster), args.model or cfg.model.name
+    try:
+        print(f"bench load: {args.clients} clients for {args.duration:.0f} s against {url} ...", flush=True)
+        res = asyncio.run(run_load(url, model, args.clients, args.duration, args.max_tokens, api_key=key))
+    finally:
+        if cluster is not None:
+            import ray
+
+            from cluster.launch import stop_cluster
+
+            stop_cluster(cluster, shutdown_serve=True)
+            ray.shutdown()
+    summary = {"clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens, **res.summary()}
+    print(json.dumps(summary, indent=2))
+    write_results("load", [summary], out_dir)
+    return 0 if summary["lost_or_malformed"] == 0 else 1
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
@@ -330,10 +380,21 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--reps", type=int, default=5)
     c = sub.add_parser("scale", help="coordinator negotiation cost for up to 64 x 64 engines vs pairwise handshakes")
     c.add_argument("--sizes", default="1,2,4,8,16,32,64")
-    for p in (e, t, c):
+    lo = sub.add_parser("load", help="concurrent streamed clients against the HTTP service; lost/malformed, p50/p99")
+    lo.add_argument("--url", help="a running service (default: start deploy.yaml's cluster here, then stop it)")
+    lo.add_argument("--deploy", default="deploy.yaml")
+    lo.add_argument("--model", help="model name (default: the deployment's)")
+    lo.add_argument("--clients", type=int, default=32)
+    lo.add_argument("--duration", type=float, default=60.0)
+    lo.add_argument("--max-tokens", type=int, default=32)
+    lo.add_argument("--api-key-env", help="environment variable holding the API key")
+    for p in (e, t, c, lo):
         p.add_argument("--out-dir", default="results")
     args = ap.parse_args(argv)
     out_dir = Path(args.out_dir)
+
+    if args.which == "load":
+        return _load_main(args, out_dir)
 
     if args.which == "scale":
         print("bench scale: registering synthetic engines (Qwen3.5-0.8B layouts, prefill TP 1, decode TP 2)")

@@ -47,6 +47,9 @@ class _ClusterCollector:
         for (role, st), n in sorted(state.get("pools", {}).items()):
             pools.add_metric([role, st], n)
         yield pools
+        retried = CounterMetricFamily("pd_requests_retried", "Requests retried on another pair after an engine failure")
+        retried.add_metric([], float(state.get("retried", 0)))
+        yield retried
         t = state.get("transfers", {})
         for key, help_ in (("transfers", "NIXL transfers completed (one per request and decode rank)"),
                            ("bytes", "Bytes read over NIXL by decode engines"),

@@ -142,6 +142,23 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"invalid '{param}': {err['msg'].removeprefix('Value error, ')}", param=param, code="invalid_value")
 
 
+def request_schema() -> dict[str, Any]:
+    """The completions request as a self-contained JSON schema (for the OpenAPI document: clients and fuzzers)."""
+    schema = CompletionRequest.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(x: Any) -> Any:
+        if isinstance(x, dict):
+            if "$ref" in x:
+                return inline(defs[x["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [inline(v) for v in x]
+        return x
+
+    return inline(schema)
+
+
 def new_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 

@@ -6,8 +6,10 @@
   2. its transfer parameters (block ids per cache group, engine id, token count) go to a decode engine that the
      coordinator has approved for that prefill engine; the decode engine's connector pulls the state with NIXL using
      the negotiated pair plan and decodes;
-  3. tokens stream back. A failure on either side ends the request with a clear error and frees its blocks on both
-     sides (the prefill side's blocks would otherwise wait for vLLM's abort timeout).
+  3. tokens stream back. A failure on either side frees the request's blocks on both sides at once (the prefill side's
+     blocks would otherwise wait for vLLM's abort timeout); a request that had not streamed a token yet is retried
+     once on a pair without the failed engine, otherwise it ends with a clear error. A dead engine is reported to the
+     coordinator, which takes it out of every pair.
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ class NoCapacity(RuntimeError):
 
 
 class EngineFailure(RuntimeError):
-    """An engine failed while serving the request; `phase` is 'prefill', 'transfer' or 'decode'."""
+    """An engine failed while serving the request; `phase` is 'prefill' or 'decode'. `streamed`: tokens had already
+    reached the caller (then the request cannot be retried transparently)."""
 
-    def __init__(self, phase: str, engine_id: str, cause: BaseException | str):
-        super().__init__(f"{phase} failed on engine {engine_id}: {cause}")
-        self.phase, self.engine_id = phase, engine_id
+    def __init__(self, phase: str, engine_id: str, cause: BaseException | str, streamed: bool = False):
+        super().__init__(f"{phase} failed on engine {engine_id}: {_cause(cause) if isinstance(cause, BaseException) else cause}")
+        self.phase, self.engine_id, self.streamed = phase, engine_id, streamed
+        self.engine_died = isinstance(cause, BaseException) and _is_actor_death(cause)
+
+
+def _is_actor_death(e: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))
 
 
 class Router:
@@ -43,6 +53,7 @@ class Router:
         self._handles: dict[str, Any] = {}
         self._rr = itertools.count()
         self._cleanup: set[asyncio.Task] = set()
+        self.retried = 0  # requests retried on another pair after an engine failure
 
     async def _handle(self, engine_id: str) -> Any:
         if engine_id not in self._handles:
@@ -62,16 +73,41 @@ class Router:
         sampling: dict[str, Any],
         request_id: str | None = None,
         pair: tuple[str, str] | None = None,
+        retries: int = 1,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield the decode engine's incremental outputs: {"token_ids": [...new...], "text": "...new...",
         "finish_reason": None | "stop" | "length"}. `pair` pins (prefill engine id, decode engine id); it must be a
-        pair the coordinator approved."""
+        pair the coordinator approved (and is never retried elsewhere). A request that fails before its first token
+        is retried up to `retries` times on a pair without the failed engine; an engine that died is reported to the
+        coordinator, which removes it from every pair at once."""
         rid = request_id or uuid.uuid4().hex
-        prefills = await self.coordinator.ready.remote("prefill")
+        avoid: set[str] = set()
+        for attempt in range(retries + 1):
+            try:
+                async for out in self._generate_once(prompt_token_ids, sampling, rid if not attempt else f"{rid}-retry{attempt}", pair, avoid):
+                    yield out
+                return
+            except EngineFailure as e:
+                self._background(self._report_failure(e.engine_id))
+                if e.streamed or pair is not None or attempt == retries:
+                    raise
+                log.warning("request %s: %s; retrying on another pair", rid, e)
+                avoid.add(e.engine_id)
+                self.retried += 1
+
+    async def _report_failure(self, engine_id: str) -> None:
+        """Let the coordinator check the engine now (rather than at its next periodic check)."""
+        try:
+            await self.coordinator.engine_failed.remote(engine_id)
+        except Exception as e:  # noqa: BLE001 - the coordinator's own health checks remain
+            log.warning("could not report %s to the coordinator: %s", engine_id, e)
+
+    async def _generate_once(self, prompt_token_ids, sampling, rid, pair, avoid: set[str]) -> AsyncIterator[dict[str, Any]]:
+        prefills = [p for p in await self.coordinator.ready.remote("prefill") if p not in avoid]
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
         p_id = pair[0] if pair else self._pick(prefills)
-        decodes = await self.coordinator.decodes_for.remote(p_id) if p_id in prefills else []
+        decodes = [d for d in await self.coordinator.decodes_for.remote(p_id) if d not in avoid] if p_id in prefills else []
         if pair and pair[1] not in decodes:
             raise NoCapacity(f"pair {pair[0]} -> {pair[1]} is not approved by the coordinator")
         if not decodes:
@@ -87,20 +123,21 @@ class Router:
             self._background(self._cancel_prefill(prefill, ref))
             raise
         except Exception as e:
-            raise EngineFailure("prefill", p_id, _cause(e)) from None
+            raise EngineFailure("prefill", p_id, e) from None
         finally:
             self.inflight[p_id] -= 1
 
         self.inflight[d_id] += 1
-        finished = False
+        finished = streamed = False
         try:
-            stream = decode.decode.options(num_returns="streaming").remote(prompt_token_ids, sampling, params, rid)
+            stream = decode.decode.options(num_returns="streaming").remote(prompt_token_ids, dict(sampling), params, rid)
             async for ref in stream:
                 out = await ref
                 finished = out.get("finish_reason") is not None
+                streamed = streamed or bool(out["token_ids"] or out["text"])
                 yield out
         except Exception as e:
-            raise EngineFailure("decode", d_id, _cause(e)) from None
+            raise EngineFailure("decode", d_id, e, streamed=streamed) from None
         finally:
             self.inflight[d_id] -= 1
             if not finished:  # the consumer went away, or an error: stop the decode side, free the prefill side

@@ -252,3 +252,30 @@ def test_metrics(served, client):
     assert float(_metric(text, "pd_transfer_seconds_total")) > 0
     assert float(_metric(text, 'pd_pool_engines{role="decode",state="ready"}')) == 1
     assert float(_metric(text, 'pd_pool_engines{role="prefill",state="ready"}')) == 1
+
+
+def test_fuzzed_requests_never_get_a_server_error(served, tmp_path):
+    """schemathesis generates requests from the service's own OpenAPI document (valid and invalid bodies, headers,
+    methods) and sends them to the running service: no 5xx, every answer matches the schema's error contract."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    st = Path(sys.executable).parent / "schemathesis"
+    cmd = [str(st), "run", f"{served.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "40",
+           "-H", f"Authorization: Bearer {KEY}", "--generation-deterministic", "--report-dir", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    print(r.stdout[-1500:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "/v1/completions" in r.stdout
+
+
+def test_short_load_loses_nothing(served):
+    """16 streaming clients for 15 s (the long version: `python -m cluster bench load --clients 32 --duration 60`)."""
+    from cluster.loadgen import run_load
+
+    res = asyncio.run(run_load(served.url, MODEL, clients=16, duration_s=15, max_tokens=16, api_key=KEY))
+    summary = res.summary()
+    print(f"load: {summary}")
+    assert summary["lost_or_malformed"] == 0, summary["first_errors"]
+    assert res.ok >= 16 and res.ok == res.requests

@@ -1,0 +1,158 @@
+"""Engines dying for real (SIGKILL of the engine actor's process, by pid) under HTTP traffic: every affected request
+ends with a complete response (retried on another pair when no token had streamed yet) or a clear error event - never
+a hang - the coordinator takes the dead engine out of every pair, and the prefill engine holds no blocks for it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import ray
+
+from actors.engine import free_port, launch_engine_actor
+from cluster.config import DeployConfig
+from cluster.launch import start_cluster, start_http, stop_cluster
+
+pytestmark = pytest.mark.engine
+MODEL = "tiny-hybrid"
+
+
+@pytest.fixture(scope="module")
+def served(ray_local, gdn_model):
+    cfg = DeployConfig.model_validate({
+        "model": {"path": str(gdn_model), "name": MODEL},
+        "decode": {"tp": 1, "min_replicas": 2, "max_replicas": 2},
+        "coordinator": {"name": "coordinator-faults", "namespace": "pd-test-faults"},
+        "http": {"port": free_port()},
+    })
+    cluster = start_cluster(cfg, progress=print)
+    try:
+        start_http(cluster, progress=print)
+        yield cluster
+    finally:
+        stop_cluster(cluster, shutdown_serve=True, progress=print)
+
+
+def kill_engine(cluster, engine_id: str) -> list[psutil.Process]:
+    """SIGKILL the engine actor's process; returns its vLLM child processes (they must go too)."""
+    handle = cluster.engines[engine_id]
+    pids = ray.get(handle.pids.remote())
+    children = [psutil.Process(p) for p in pids[1:] if psutil.pid_exists(p)]
+    os.kill(pids[0], signal.SIGKILL)
+    return children
+
+
+def reap(children: list[psutil.Process], timeout_s: float = 60) -> list[int]:
+    """Wait for a killed engine's vLLM processes to exit by themselves; kill stragglers; returns their pids."""
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:
+        p.kill()
+    return [p.pid for p in alive]
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 8) -> dict:
+    r = httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    return {"status": r.status_code, **r.json()}
+
+
+def wait_for(predicate, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"not true after {timeout_s} s")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_decode_dies_mid_stream(served):
+    """A stream whose decode engine dies ends with an error event and [DONE]; the prefill side holds nothing."""
+    url, prefill = served.url, served.engines["prefill-0"]
+    body = {"model": MODEL, "prompt": [1] + list(range(3, 300)), "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        victim = next(e for e in ("decode-0", "decode-1") if ray.get(served.engines[e].num_unfinished.remote()) == 1)
+        children = kill_engine(served, victim)
+        t0 = time.monotonic()
+        rest = [line for line in lines if line]
+    took = time.monotonic() - t0
+    print(f"stream ended {took:.2f} s after {victim} was killed: {rest[-2][:160]}")
+    assert took < 30 and rest[-1] == "data: [DONE]"
+    assert '"code":"engine_failure"' in rest[-2] and '"type":"service_unavailable_error"' in rest[-2]
+    assert ray.get(prefill.pending_sends.remote(5.0)) == []
+    removed = wait_for(lambda: victim not in ray.get(served.coordinator.ready.remote("decode")), 15)
+    print(f"coordinator removed {victim} within {removed:.2f} s of the stream's end")
+    assert reap(children) == [], "vLLM processes of the killed engine had to be killed"
+    served.engines.pop(victim)
+
+
+def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
+    """Kill a decode engine while it is still registered: requests sent to it fail at their decode step before any
+    token, free the prefill blocks, and complete on the other decode engine with the right output."""
+    url, prefill = served.url, served.engines["prefill-0"]
+    # bring the pool back to two decode engines (a new engine joins: registered, negotiated, then served)
+    handle, ref = launch_engine_actor(gdn_model, 1, role="decode", engine_id="decode-9", served_model=MODEL)
+    ray.get(ref)
+    ray.get(handle.register.remote(served.coordinator))
+    served.engines["decode-9"] = handle
+    decodes = sorted(ray.get(served.coordinator.ready.remote("decode")))
+    assert len(decodes) == 2
+    prompts = [[1] + [(7 * i + j) % 900 + 3 for j in range(40 + 30 * i)] for i in range(8)]
+    want = [complete(url, p)["choices"][0]["text"] for p in prompts]  # both engines healthy: the reference
+
+    victim = decodes[0]
+    children = kill_engine(served, victim)
+    t_kill = time.monotonic()
+    seen: dict[str, list[float]] = {}  # prefill request id -> [first, last] time its blocks were seen held
+    done = threading.Event()
+
+    def watch_prefill():
+        while not done.is_set():
+            now = time.monotonic()
+            for rid in ray.get(prefill.pending_sends.remote(0.0)):
+                seen.setdefault(rid, [now, now])[1] = now
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_prefill)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: complete(url, p), prompts))
+    done.set()
+    watcher.join()
+    longest = max((b - a for a, b in seen.values()), default=0.0)
+    print(f"prefill blocks held at most {longest:.2f} s per request ({len(seen)} requests seen holding)")
+    assert longest < 5.0
+    assert [g["status"] for g in got] == [200] * len(prompts), [g for g in got if g["status"] != 200]
+    assert [g["choices"][0]["text"] for g in got] == want
+    held = ray.get(prefill.pending_sends.remote(5.0))
+    print(f"after killing {victim}: {len(prompts)} requests completed; prefill holds {held} "
+          f"{time.monotonic() - t_kill:.2f} s after the kill")
+    assert held == []
+    assert victim not in ray.get(served.coordinator.ready.remote("decode"))
+    removed = ray.get(served.coordinator.removed_engines.remote())
+    assert victim in [r["engine_id"] for r in removed]
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert reap(children) == []
+    served.engines.pop(victim)
+
+
+def test_prefill_death_is_a_clear_503(served):
+    """With the only prefill engine dead, requests get 503 + Retry-After (not a hang or a 500) and /health says so."""
+    url = served.url
+    children = kill_engine(served, "prefill-0")
+    t0 = time.monotonic()
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 503 and r.headers.get("retry-after")
+    assert r.json()["error"]["code"] in ("engine_failure", "no_capacity")
+    wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 15)
+    print(f"prefill death: 503 after {time.monotonic() - t0:.2f} s, /health 503")
+    assert reap(children) == []
+    served.engines.pop("prefill-0")
