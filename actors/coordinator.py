@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 
 from cluster.coordinator import Coordinator, EngineRecord, RegistrationError
 from cluster.hf_config import model_shape
@@ -18,21 +19,67 @@ from cluster.planner import IncompatiblePair
 
 COORDINATOR_NAME = "pd-coordinator"
 HEALTH_INTERVAL_S = float(os.environ.get("PD_HEALTH_INTERVAL_S", "2"))  # how often the coordinator checks engines
-HEALTH_TIMEOUT_S = 10.0  # an engine slower than this to answer is busy, not dead
+HEALTH_TIMEOUT_S = 10.0
+ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace  # an engine slower than this to answer is busy, not dead
 log = logging.getLogger("pd.coordinator")
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class CoordinatorActor:
-    def __init__(self) -> None:
+    def __init__(self, namespace: str | None = None) -> None:
+        """`namespace`: where its engines live (their names start with ENGINE_PREFIX); default the job's."""
         self.core = Coordinator()
         self.handles: dict[str, Any] = {}
         self.removed: list[dict[str, Any]] = []
         self._watcher: asyncio.Task | None = None
+        ctx = ray.get_runtime_context()
+        self.namespace = namespace or ctx.namespace
+        # restarted by Ray after a crash: the registry is rebuilt from the live engines (named ENGINE_PREFIX*)
+        self.restarted = ctx.was_current_actor_reconstructed
+        self._rebuild: asyncio.Task | None = None
+        self.rebuilt: list[str] = []
+
+    async def _ready(self) -> None:
+        """Before answering anything after a restart, re-register every live engine of this namespace."""
+        if not self.restarted:
+            return
+        if self._rebuild is None:
+            self._rebuild = asyncio.get_running_loop().create_task(self._rebuild_registry())
+        await asyncio.shield(self._rebuild)
+
+    async def _rebuild_registry(self) -> None:
+        t0 = time.monotonic()
+        found = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == self.namespace and a["name"].startswith(ENGINE_PREFIX)]
+        regs = []
+        for a in found:
+            try:
+                handle = ray.get_actor(a["name"], namespace=self.namespace)
+                regs.append((await asyncio.wait_for(handle.registration.remote(), HEALTH_TIMEOUT_S), handle))
+            except Exception as e:  # noqa: BLE001 - dead or not started yet (it registers itself when it is)
+                log.warning("rebuild: skipping %s: %s", a["name"], e)
+        for reg, handle in sorted(regs, key=lambda x: x[0]["role"] != "prefill"):
+            try:
+                await self._register(reg, handle)
+                self.rebuilt.append(reg["engine_id"])
+            except Exception as e:  # noqa: BLE001 - an engine that no longer pairs stays out, as at registration
+                log.warning("rebuild: %s refused: %s", reg["engine_id"], e)
+        log.warning("coordinator restarted: registry rebuilt from %d live engines in %.2f s", len(self.rebuilt), time.monotonic() - t0)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def rebuilt_engines(self) -> list[str]:
+        await self._ready()
+        return list(self.rebuilt)
 
     async def register(self, registration: dict[str, Any], handle: Any) -> dict[str, Any]:
         """`registration`: what EngineActor.registration() returns. Refused with RegistrationError (its message names
         the field) when the engine cannot pair with the registered ones; then nothing is registered."""
+        await self._ready()
+        return await self._register(registration, handle)
+
+    async def _register(self, registration: dict[str, Any], handle: Any) -> dict[str, Any]:
         self._ensure_watch()
         try:
             model = model_shape(registration["hf_config"])
@@ -49,13 +96,13 @@ class CoordinatorActor:
             layout=layout,
             ranks=[{k: v for k, v in r.items() if k != "layout"} for r in registration["ranks"]],
         )
+        rec.state = "joining"  # routers see neither it nor its pairs until every plan is installed
         try:
             pairs = self.core.register(rec)
         except (IncompatiblePair, RegistrationError) as e:
             log.warning("refused %s: %s", rec.engine_id, e)
             raise
         self.handles[rec.engine_id] = handle
-        # a pair serves only once its decode engine holds the plan
         try:
             by_decode: dict[str, list[tuple[str, str]]] = {}
             for p, d in pairs:  # one call per decode engine, carrying all its new plans
@@ -65,6 +112,7 @@ class CoordinatorActor:
             self.core.deregister(rec.engine_id)
             self.handles.pop(rec.engine_id, None)
             raise
+        self.core.set_state(rec.engine_id, "ready")
         log.info("registered %s (%s, TP %d); pairs %s", rec.engine_id, rec.role, layout.tp, pairs)
         return {"engine_id": rec.engine_id, "pairs": pairs}
 
@@ -88,13 +136,15 @@ class CoordinatorActor:
             return False
         try:
             health = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
-            if health.get("healthy"):
+            if health.get("healthy") or not health.get("started"):
                 return False
             why = "unhealthy (its vLLM engine failed)"
-        except asyncio.TimeoutError:
-            return False
-        except Exception as e:  # noqa: BLE001 - the actor is gone
+        except ActorDiedError as e:
             why = f"dead ({type(e).__name__})"
+        except Exception:  # noqa: BLE001 - slow, or transiently unreachable (ActorUnavailableError): not a death
+            return False
+        if self.handles.get(engine_id) is not handle:  # it left, or re-registered, while we asked
+            return False
         log.warning("engine %s is %s: removing it from every pair", engine_id, why)
         self.removed.append({"engine_id": engine_id, "why": why, "time": time.time()})
         await self.deregister(engine_id)
@@ -116,14 +166,18 @@ class CoordinatorActor:
     def set_state(self, engine_id: str, state: str) -> None:
         self.core.set_state(engine_id, state)  # type: ignore[arg-type]
 
-    def decodes_for(self, prefill_id: str) -> list[str]:
+    async def decodes_for(self, prefill_id: str) -> list[str]:
+        await self._ready()
         return self.core.decodes_for(prefill_id)
 
-    def ready(self, role: str) -> list[str]:
+    async def ready(self, role: str) -> list[str]:
+        await self._ready()
         return self.core.ready(role)  # type: ignore[arg-type]
 
-    def handle(self, engine_id: str) -> Any:
-        return self.handles[engine_id]
+    async def handle(self, engine_id: str) -> Any:
+        """The engine's actor handle, or None once it has left."""
+        await self._ready()
+        return self.handles.get(engine_id)
 
     def pair_plan(self, prefill_id: str, decode_id: str) -> str:
         return self.core.payload(prefill_id, decode_id)
@@ -134,7 +188,8 @@ class CoordinatorActor:
     def transfer_stats(self, request_id: str | None = None) -> list[dict[str, Any]]:
         return self.core.transfer_stats(request_id)
 
-    def describe(self) -> dict[str, Any]:
+    async def describe(self) -> dict[str, Any]:
+        await self._ready()
         return self.core.describe()
 
     def negotiation_us(self) -> list[float]:

@@ -54,11 +54,20 @@ def pd_kv_transfer_config(role: str, engine_id: str, device: str = "cpu") -> dic
     }
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port that is free right now (for VLLM_NIXL_SIDE_CHANNEL_PORT: one per engine)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free right now and that this process has not handed out before (the kernel may return the
+    same ephemeral port to consecutive bind-and-close calls; two engines given one side-channel port hang at start)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no fresh free port after 100 tries")
 
 
 def engine_env(tp: int, extra_env: dict[str, str] | None = None) -> dict[str, str]:
@@ -266,6 +275,8 @@ class EngineActor:
         fresh = [s for rank in await self.engine.collective_rpc("pd_stats") for s in rank]
         self._unread = (self._unread + fresh)[-UNREAD_STATS_KEPT:]
         for s in fresh:
+            if not s.get("ok", True):  # a failed read moved nothing useful
+                continue
             self._totals["transfers"] += 1
             self._totals["bytes"] += s["bytes"]
             self._totals["descriptors"] += s["descriptors"]
@@ -421,6 +432,7 @@ def launch_engine_actor(
     engine_kwargs: dict[str, Any] | None = None,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     num_gpus: int = 0,
+    namespace: str | None = None,
     **actor_kwargs: Any,
 ):
     """Create an `EngineActor` and begin its start; returns (handle, ref to the startup seconds).
@@ -432,6 +444,8 @@ def launch_engine_actor(
         options["num_gpus"] = num_gpus
     if name is not None:
         options["name"] = name
+    if namespace is not None:
+        options["namespace"] = namespace
     handle = EngineActor.options(**options).remote(
         str(Path(model_dir).resolve()), tp, kv_transfer_config=kv_transfer_config, engine_kwargs=engine_kwargs, **actor_kwargs
     )

@@ -14,6 +14,7 @@ deployment that wraps it (`ingress_app(settings)` builds the Serve application).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -32,7 +33,7 @@ from cluster.metrics import ServiceMetrics
 from cluster.openai_api import (
     APIError, CompletionRequest, chunk, completion, error_body, model_list, new_id, request_schema, usage, validation_error,
 )
-from cluster.router import EngineFailure, NoCapacity, Router
+from cluster.router import CoordinatorUnavailable, EngineFailure, NoCapacity, Router
 
 log = logging.getLogger("pd.ingress")
 APP_NAME = "hybrid-pd"
@@ -47,7 +48,7 @@ class IngressSettings:
     max_model_len: int
     coordinator_name: str
     namespace: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
@@ -69,6 +70,7 @@ class Service:
         self.vocab_size = int((cfg.get("text_config") or cfg).get("vocab_size") or len(tokenizer))
         self.created = int(time.time())
         self.metrics = ServiceMetrics()
+        self.transfer_seen: dict[str, dict[str, float]] = {}  # decode engine -> its last reported transfer totals
         self.api_key = settings.api_key.encode() if settings.api_key else None
 
     # ---- request preparation ------------------------------------------------------------------------------------
@@ -92,8 +94,8 @@ class Service:
                 raise APIError(413, f"request body exceeds {self.settings.max_body_bytes} bytes", code="request_too_large")
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, too deep, a 5000-digit number
+            raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
         try:
             req = CompletionRequest.model_validate(data)
         except ValidationError as e:
@@ -106,7 +108,10 @@ class Service:
 
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
-            ids = list(self.tokenizer(req.prompt)["input_ids"])
+            try:
+                ids = list(self.tokenizer(req.prompt)["input_ids"])
+            except (TypeError, ValueError) as e:
+                raise APIError(400, f"the prompt cannot be tokenized: {str(e)[:200]}", param="prompt", code="invalid_value") from None
             if not ids:
                 raise APIError(400, "the prompt encodes to no tokens", param="prompt", code="invalid_value")
             return ids
@@ -134,20 +139,21 @@ class Service:
     async def run(self, ids: list[int], sampling: dict[str, Any], rid: str) -> AsyncIterator[dict[str, Any]]:
         """The router's stream, with its failures turned into API errors and latencies recorded."""
         t0 = time.perf_counter()
-        last = None
+        last = None  # time of the previous output that carried tokens
         try:
-            async for out in self.router.generate(ids, sampling, request_id=rid):
-                now = time.perf_counter()
-                n = len(out["token_ids"])
-                if last is None:
-                    self.metrics.ttft.observe(now - t0)
-                elif n:
-                    for _ in range(n):
-                        self.metrics.itl.observe((now - last) / n)
-                if n:
-                    last = now
-                self.metrics.completion_tokens.inc(n)
-                yield out
+            async with contextlib.aclosing(self.router.generate(ids, sampling, request_id=rid)) as outputs:
+                async for out in outputs:
+                    now = time.perf_counter()
+                    n = len(out["token_ids"])
+                    if n and last is None:
+                        self.metrics.ttft.observe(now - t0)
+                    elif n:
+                        for _ in range(n):
+                            self.metrics.itl.observe((now - last) / n)
+                    if n:
+                        last = now
+                    self.metrics.completion_tokens.inc(n)
+                    yield out
         except NoCapacity as e:
             raise APIError(503, f"no engine can take the request now: {e}", type="service_unavailable_error",
                            code="no_capacity", headers={"Retry-After": str(self.settings.retry_after_s)}) from None
@@ -155,6 +161,9 @@ class Service:
             log.warning("request %s: %s", rid, e)
             raise APIError(503, f"the request failed in {e.phase} ({e.engine_id}); retry it", type="service_unavailable_error",
                            code="engine_failure", headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except CoordinatorUnavailable as e:
+            raise APIError(503, f"the coordinator is unavailable: {e}", type="service_unavailable_error",
+                           code="no_capacity", headers={"Retry-After": str(self.settings.retry_after_s)}) from None
         self.metrics.e2e.observe(time.perf_counter() - t0)
 
     async def cluster_state(self) -> dict[str, Any]:
@@ -173,11 +182,59 @@ class Service:
             handle = await self.router._handle(engine_id)
             return await asyncio.wait_for(handle.transfer_totals.remote(), 5)
 
-        for got in await asyncio.gather(*(one(d) for d in decode_ids), return_exceptions=True):
+        for engine_id, got in zip(decode_ids, await asyncio.gather(*(one(d) for d in decode_ids), return_exceptions=True)):
             if isinstance(got, dict):
-                for k in totals:
-                    totals[k] += got[k]
+                self.transfer_seen[engine_id] = got
+        # counters never go down: engines that left or did not answer keep their last totals
+        for seen in self.transfer_seen.values():
+            for k in totals:
+                totals[k] += seen[k]
         return {"pools": pools, "transfers": totals, "retried": self.router.retried}
+
+
+class _Outcome:
+    """Counts one request's end exactly once: 200, an API error's status, a client disconnect, or 500."""
+
+    def __init__(self, metrics: ServiceMetrics):
+        self.m, self.done = metrics, False
+
+    def end(self, error: BaseException | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.m.inflight.dec()
+        if error is None:
+            self.m.requests.labels("200").inc()
+        elif isinstance(error, APIError):
+            self.m.requests.labels(str(error.status)).inc()
+            self.m.errors.labels(error.code or "error").inc()
+        elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            self.m.disconnects.inc()
+        else:
+            self.m.requests.labels("500").inc()
+            self.m.errors.labels("internal_error").inc()
+
+
+async def _close(stream: Any) -> None:
+    try:
+        await stream.aclose()
+    except BaseException:  # noqa: BLE001 - closing runs the router's clean-up; its errors are not the caller's
+        pass
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that runs `abandoned()` when it ends, however it ends (a client that disconnects before
+    the body starts never runs the body's own clean-up)."""
+
+    def __init__(self, content: Any, abandoned: Any, **kw: Any):
+        super().__init__(content, **kw)
+        self._abandoned = abandoned
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._abandoned()
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -212,7 +269,11 @@ def build_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        ready = {role: await service.coordinator.ready.remote(role) for role in ("prefill", "decode")}
+        try:
+            ready = {role: await asyncio.wait_for(service.coordinator.ready.remote(role), 5) for role in ("prefill", "decode")}
+        except Exception as e:  # noqa: BLE001 - coordinator down or slow: unavailable, not an error page
+            return JSONResponse({"status": "unavailable", "model": service.settings.model_name, "error": type(e).__name__},
+                                status_code=503, headers={"Retry-After": str(service.settings.retry_after_s)})
         ok = bool(ready["prefill"] and ready["decode"])
         body = {"status": "ok" if ok else "unavailable", "model": service.settings.model_name,
                 "ready": {k: len(v) for k, v in ready.items()}}
@@ -227,6 +288,7 @@ def build_app(service: Service) -> FastAPI:
             m.cluster_state = await service.cluster_state()
         except Exception as e:  # noqa: BLE001 - the service's own metrics still render
             log.warning("cluster state unavailable for /metrics: %s", e)
+            m.cluster_state = {**m.cluster_state, "pools": {}}  # unknown now: no stale pool sizes
         return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -250,17 +312,13 @@ def build_app(service: Service) -> FastAPI:
         m.prompt_tokens.inc(len(ids))
         stream = service.run(ids, req.sampling(max_tokens), rid)
         m.inflight.inc()
+        outcome = _Outcome(m)
         try:
             # the first output arrives before any byte is sent, so a failure before it is a plain HTTP error
             first = await anext(stream, None)
-        except APIError as e:
-            m.inflight.dec()
-            m.requests.labels(str(e.status)).inc()
-            m.errors.labels(e.code or "error").inc()
-            raise
-        except BaseException:
-            m.inflight.dec()
-            m.disconnects.inc()
+        except BaseException as e:
+            outcome.end(e)
+            await _close(stream)
             raise
         if not req.stream:
             text, n, finish = "", 0, None
@@ -271,22 +329,17 @@ def build_app(service: Service) -> FastAPI:
                     n += len(out["token_ids"])
                     finish = out["finish_reason"] or finish
                     out = await anext(stream, None)
-            except APIError as e:
-                m.requests.labels(str(e.status)).inc()
-                m.errors.labels(e.code or "error").inc()
+            except BaseException as e:
+                outcome.end(e)
+                await _close(stream)
                 raise
-            except BaseException:
-                m.disconnects.inc()
-                raise
-            finally:
-                m.inflight.dec()
-            m.requests.labels("200").inc()
+            outcome.end(None)
             return JSONResponse(completion(rid, req.model, text, finish, usage(len(ids), n), created))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events() -> AsyncIterator[bytes]:
-            n, ok = 0, False
+            n = 0
             try:
                 out = first
                 while out is not None:
@@ -297,21 +350,20 @@ def build_app(service: Service) -> FastAPI:
                 if include_usage:
                     yield _sse({**chunk(rid, req.model, created, "", None), "choices": [], "usage": usage(len(ids), n)})
                 yield b"data: [DONE]\n\n"
-                ok = True
-                m.requests.labels("200").inc()
+                outcome.end(None)
             except APIError as e:  # mid-stream: the status line is already sent; an error event ends the stream
-                m.requests.labels(str(e.status)).inc()
-                m.errors.labels(e.code or "error").inc()
+                outcome.end(e)
                 yield _sse(e.body())
                 yield b"data: [DONE]\n\n"
-                ok = True
-            finally:
-                m.inflight.dec()
-                if not ok:
-                    m.disconnects.inc()
-                await stream.aclose()
+            except BaseException as e:
+                outcome.end(e)
+                raise
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        async def abandoned() -> None:  # the response ended without events() finishing (client gone before/while)
+            outcome.end(asyncio.CancelledError())
+            await _close(stream)
+
+        return _Stream(events(), abandoned, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app
 

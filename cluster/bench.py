@@ -79,7 +79,7 @@ async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: in
         tput_colo = await phase(lambda i, p: _stream(D, p, dict(sampling), f"tput-colo-{i}"))
         tput_disagg = await phase(lambda i, p: router.generate(p, dict(sampling)))
         await D.transfer_stats.remote()
-        t_ms = [max(s["ms"] for s in st) for st in transfers]
+        t_ms = [max((s["ms"] for s in st), default=0.0) for st in transfers]
         return {
             "throughput_colocated_tok_s": round(tput_colo, 1),
             "throughput_disaggregated_tok_s": round(tput_disagg, 1),

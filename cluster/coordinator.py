@@ -28,7 +28,7 @@ class EngineRecord:
     model: str  # the served model name
     layout: EngineLayout
     ranks: list[dict[str, Any]]  # per TP rank: agent_metadata (bytes), region_bases, device_id, memory_type
-    state: Literal["ready", "draining"] = "ready"
+    state: Literal["joining", "ready", "draining"] = "ready"
     registered_at: float = field(default_factory=time.time)
 
 
@@ -96,7 +96,7 @@ class Coordinator:
         for key in [k for k in self.pairs if engine_id in k]:
             del self.pairs[key]
 
-    def set_state(self, engine_id: str, state: Literal["ready", "draining"]) -> None:
+    def set_state(self, engine_id: str, state: Literal["joining", "ready", "draining"]) -> None:
         self._engine(engine_id).state = state
 
     # ---- plans ----
@@ -122,6 +122,8 @@ class Coordinator:
         return f'{{"pair": {self._plan_json[id(pair)]}, "prefill_ranks": {self._ranks_json[prefill_id]}}}'
 
     def decodes_for(self, prefill_id: str) -> list[str]:
+        if prefill_id not in self.engines or self.engines[prefill_id].state != "ready":
+            return []
         return [d for (p, d) in self.pairs if p == prefill_id and self.engines[d].state == "ready"]
 
     def ready(self, role: Role) -> list[str]:

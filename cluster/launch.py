@@ -43,30 +43,32 @@ def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say) -> C
     when one fails to start or is refused by the coordinator."""
     import ray
 
-    from actors.coordinator import CoordinatorActor
+    from actors.coordinator import ENGINE_PREFIX, CoordinatorActor
     from actors.engine import launch_engine_actor, stop_engine_actors
     from cluster.models import ensure_model
 
     t0 = time.monotonic()
     model_dir = Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin)
     progress(f"model {cfg.model.name}: {model_dir}")
+    # restarted by Ray if it dies; it then rebuilds its registry from the live engines (named, same namespace)
     coordinator = CoordinatorActor.options(
-        name=cfg.coordinator.name, namespace=cfg.coordinator.namespace, get_if_exists=True
-    ).remote()
+        name=cfg.coordinator.name, namespace=cfg.coordinator.namespace, get_if_exists=True, max_restarts=-1
+    ).remote(namespace=cfg.coordinator.namespace)
     cluster = Cluster(cfg, model_dir, coordinator)
     launched = []
-    for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
-        for i in range(max(pool.min_replicas, 1)):
-            engine_id = f"{role}-{i}"
-            handle, ref = launch_engine_actor(
-                model_dir, pool.tp, role=role, engine_id=engine_id, served_model=cfg.model.name,
-                max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
-                start_timeout_s=cfg.coordinator.engine_start_timeout_s, **_device_options(cfg, pool),
-            )
-            cluster.engines[engine_id] = handle
-            launched.append((engine_id, pool.tp, ref))
-            progress(f"starting {role} engine {engine_id} (TP {pool.tp}) ...")
     try:
+        for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            for i in range(max(pool.min_replicas, 1)):
+                engine_id = f"{role}-{i}"
+                handle, ref = launch_engine_actor(
+                    model_dir, pool.tp, role=role, engine_id=engine_id, served_model=cfg.model.name,
+                    max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
+                    start_timeout_s=cfg.coordinator.engine_start_timeout_s, **_device_options(cfg, pool),
+                    name=f"{ENGINE_PREFIX}{engine_id}", namespace=cfg.coordinator.namespace,
+                )
+                cluster.engines[engine_id] = handle
+                launched.append((engine_id, pool.tp, ref))
+                progress(f"starting {role} engine {engine_id} (TP {pool.tp}) ...")
         pending = {ref: (engine_id, tp) for engine_id, tp, ref in launched}
         while pending:
             done, _ = ray.wait(list(pending), timeout=10)
@@ -114,9 +116,9 @@ def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:
 
     http = cluster.cfg.http
     t0 = time.monotonic()
+    cluster.url = f"http://{http.host}:{http.port}"  # set first: a stop during serve.run still removes the app
     serve.start(http_options={"host": http.host, "port": http.port})
     serve.run(ingress_app(ingress_settings(cluster)), name=APP_NAME, route_prefix="/", blocking=False)
-    cluster.url = f"http://{http.host}:{http.port}"
     cluster.timings["http_s"] = time.monotonic() - t0
     progress(f"HTTP ingress up in {cluster.timings['http_s']:.0f} s")
     return cluster.url

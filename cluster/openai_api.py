@@ -38,6 +38,13 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def _utf8(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
@@ -84,6 +91,8 @@ class CompletionRequest(BaseModel):
                 raise ValueError("token ids must be >= 0")
         if isinstance(v, str) and not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, str):
+            _utf8(v)
         return v
 
     @field_validator("stop")
@@ -95,6 +104,7 @@ class CompletionRequest(BaseModel):
         for s in stops:
             if not s or len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters")
+            _utf8(s)
         return stops or None
 
     def check_supported(self) -> None:

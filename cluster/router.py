@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
@@ -22,10 +23,20 @@ from collections import Counter
 from typing import Any, AsyncIterator
 
 log = logging.getLogger("pd.router")
+COORDINATOR_TIMEOUT_S = 10.0
+PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
+
+
+async def _awaitable(ref: Any) -> Any:
+    return await ref
 
 
 class NoCapacity(RuntimeError):
     """No engine (or no approved pair) can take the request now."""
+
+
+class CoordinatorUnavailable(NoCapacity):
+    """The coordinator did not answer (restarting, overloaded or gone)."""
 
 
 class EngineFailure(RuntimeError):
@@ -54,10 +65,21 @@ class Router:
         self._rr = itertools.count()
         self._cleanup: set[asyncio.Task] = set()
         self.retried = 0  # requests retried on another pair after an engine failure
+        self.prefill_timeout_s = PREFILL_TIMEOUT_S
+
+    async def _ask(self, method: str, *args: Any) -> Any:
+        """A coordinator call with a deadline; failures become CoordinatorUnavailable (a 503, not a 500)."""
+        try:
+            return await asyncio.wait_for(getattr(self.coordinator, method).remote(*args), COORDINATOR_TIMEOUT_S)
+        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - RayActorError, ActorUnavailableError, ...
+            raise CoordinatorUnavailable(f"{method}: {_cause(e)}") from None
 
     async def _handle(self, engine_id: str) -> Any:
         if engine_id not in self._handles:
-            self._handles[engine_id] = await self.coordinator.handle.remote(engine_id)
+            handle = await self._ask("handle", engine_id)
+            if handle is None:
+                raise NoCapacity(f"engine {engine_id} left the cluster")
+            self._handles[engine_id] = handle
         return self._handles[engine_id]
 
     def _pick(self, candidates: list[str]) -> str:
@@ -83,9 +105,11 @@ class Router:
         rid = request_id or uuid.uuid4().hex
         avoid: set[str] = set()
         for attempt in range(retries + 1):
+            attempt_id = rid if not attempt else f"{rid}-retry{attempt}"
             try:
-                async for out in self._generate_once(prompt_token_ids, sampling, rid if not attempt else f"{rid}-retry{attempt}", pair, avoid):
-                    yield out
+                async with contextlib.aclosing(self._generate_once(prompt_token_ids, sampling, attempt_id, pair, avoid)) as outs:
+                    async for out in outs:
+                        yield out
                 return
             except EngineFailure as e:
                 self._background(self._report_failure(e.engine_id))
@@ -103,11 +127,11 @@ class Router:
             log.warning("could not report %s to the coordinator: %s", engine_id, e)
 
     async def _generate_once(self, prompt_token_ids, sampling, rid, pair, avoid: set[str]) -> AsyncIterator[dict[str, Any]]:
-        prefills = [p for p in await self.coordinator.ready.remote("prefill") if p not in avoid]
+        prefills = [p for p in await self._ask("ready", "prefill") if p not in avoid]
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
         p_id = pair[0] if pair else self._pick(prefills)
-        decodes = [d for d in await self.coordinator.decodes_for.remote(p_id) if d not in avoid] if p_id in prefills else []
+        decodes = [d for d in await self._ask("decodes_for", p_id) if d not in avoid] if p_id in prefills else []
         if pair and pair[1] not in decodes:
             raise NoCapacity(f"pair {pair[0]} -> {pair[1]} is not approved by the coordinator")
         if not decodes:
@@ -118,10 +142,12 @@ class Router:
         self.inflight[p_id] += 1
         ref = prefill.prefill.remote(prompt_token_ids, rid)
         try:
-            params = await ref
-        except asyncio.CancelledError:  # the client went away during prefill: stop it, free what it holds
+            params = await asyncio.wait_for(asyncio.shield(_awaitable(ref)), self.prefill_timeout_s)
+        except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # client gone, or a wedged engine: stop it
             self._background(self._cancel_prefill(prefill, ref))
-            raise
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise EngineFailure("prefill", p_id, f"no answer within {self.prefill_timeout_s:.0f} s") from None
         except Exception as e:
             raise EngineFailure("prefill", p_id, e) from None
         finally:
@@ -134,7 +160,7 @@ class Router:
             async for ref in stream:
                 out = await ref
                 finished = out.get("finish_reason") is not None
-                streamed = streamed or bool(out["token_ids"] or out["text"])
+                streamed = True  # whatever reached the caller cannot be taken back: no retry from here on
                 yield out
         except Exception as e:
             raise EngineFailure("decode", d_id, e, streamed=streamed) from None

@@ -15,6 +15,7 @@ import psutil
 import pytest
 import ray
 
+from actors.coordinator import ENGINE_PREFIX
 from actors.engine import free_port, launch_engine_actor
 from cluster.config import DeployConfig
 from cluster.launch import start_cluster, start_http, stop_cluster
@@ -99,7 +100,8 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     token, free the prefill blocks, and complete on the other decode engine with the right output."""
     url, prefill = served.url, served.engines["prefill-0"]
     # bring the pool back to two decode engines (a new engine joins: registered, negotiated, then served)
-    handle, ref = launch_engine_actor(gdn_model, 1, role="decode", engine_id="decode-9", served_model=MODEL)
+    handle, ref = launch_engine_actor(gdn_model, 1, role="decode", engine_id="decode-9", served_model=MODEL,
+                                      name=f"{ENGINE_PREFIX}decode-9", namespace="pd-test-faults")
     ray.get(ref)
     ray.get(handle.register.remote(served.coordinator))
     served.engines["decode-9"] = handle
@@ -142,6 +144,34 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     assert httpx.get(f"{url}/health").status_code == 200
     assert reap(children) == []
     served.engines.pop(victim)
+
+
+def test_coordinator_restart_rebuilds_the_registry(served):
+    """SIGKILL the coordinator: Ray restarts it, it re-registers every live engine (re-negotiating their pairs and
+    re-pushing the plans), and requests are served again with the same output. Meanwhile: 503s, not 500s or hangs."""
+    url = served.url
+    before = ray.get(served.coordinator.describe.remote())
+    prompt = [1] + list(range(3, 150))
+    want = complete(url, prompt)["choices"][0]["text"]
+    os.kill(ray.get(served.coordinator.pid.remote()), signal.SIGKILL)
+    t0 = time.monotonic()
+    statuses = set()
+    while True:
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        statuses.add(r.status_code)
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+        assert time.monotonic() - t0 < 90, "not serving again 90 s after the coordinator was killed"
+        time.sleep(0.5)
+    took = time.monotonic() - t0
+    print(f"coordinator killed: serving again after {took:.1f} s (answers meanwhile: {sorted(statuses)})")
+    assert r.json()["choices"][0]["text"] == want
+    after = ray.get(served.coordinator.describe.remote())
+    assert {k: v["state"] for k, v in after["engines"].items()} == {k: v["state"] for k, v in before["engines"].items()}
+    assert sorted(map(str, after["pairs"])) == sorted(map(str, before["pairs"]))
+    assert sorted(ray.get(served.coordinator.rebuilt_engines.remote())) == sorted(before["engines"])
 
 
 def test_prefill_death_is_a_clear_503(served):

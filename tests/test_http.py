@@ -156,9 +156,12 @@ LONG = [1] + [5] * 2100
         (b'{"model": "tiny-hybrid", "prompt": ', 400, "invalid_json", None),
         (b"[]", 400, "invalid_type", None),
         (json.dumps({"model": MODEL, "prompt": "y" * 70000}).encode(), 413, "request_too_large", None),
+        (b"[" * 50000 + b"]" * 50000, 400, "invalid_json", None),
+        (b'{"model": "tiny-hybrid", "prompt": [' + b"1" * 5000 + b"]}", 400, "invalid_json", None),
+        (b'{"model": "tiny-hybrid", "prompt": "a\\ud800b"}', 400, "invalid_value", "prompt"),
     ],
     ids=["no-prompt", "negative-max", "huge-max", "long-prompt", "max-type", "prompt-type", "token-range", "n",
-         "logprobs", "unknown-model", "bad-json", "not-object", "oversized"],
+         "logprobs", "unknown-model", "bad-json", "not-object", "oversized", "deep-json", "huge-number", "lone-surrogate"],
 )
 def test_errors_are_openai_style(served, body, status, code, param):
     r = post(served, body)
