@@ -40,6 +40,23 @@ logger = init_logger(__name__)
 install_progress_delay()  # before vLLM creates this worker's NIXL agent (see actors/nixl_setup.py)
 
 
+def _pd_free_blocks(self: Any) -> int:
+    """EngineCore utility (called through AsyncLLM's utility channel): free blocks in the scheduler's block pool."""
+    return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def _install_free_blocks_utility() -> None:
+    # vLLM 0.32 looks utility calls up by name on EngineCore; this module is imported in the EngineCore process
+    # (the scheduler-side connector), so the method exists there before anyone asks for it
+    from vllm.v1.engine.core import EngineCore
+
+    if not hasattr(EngineCore, "pd_free_blocks"):
+        EngineCore.pd_free_blocks = _pd_free_blocks  # type: ignore[attr-defined]
+
+
+_install_free_blocks_utility()
+
+
 class PlannedPullWorker(NixlPullConnectorWorker):
     """Decode-side reads that follow the coordinator's pair plans."""
 

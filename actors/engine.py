@@ -296,6 +296,11 @@ class EngineActor:
         await self._collect_stats()
         return dict(self._totals)
 
+    async def free_blocks(self) -> int:
+        """Free blocks in the engine's KV/state block pool (its scheduler's count; needs the project's connector)."""
+        self._require_engine()
+        return int(await self.engine.engine_core.call_utility_async("pd_free_blocks"))
+
     def num_unfinished(self) -> int:
         """Requests this engine's front end still tracks (running, waiting, or waiting for remote state)."""
         return self.engine.get_num_unfinished_requests() if self.engine is not None else 0

@@ -70,6 +70,8 @@ def _attention(r: _Reader) -> AttentionShape:
     heads = r.get("num_attention_heads")
     kv = r.get("num_key_value_heads", default=heads)
     head_dim = r.get("head_dim", "attention_head_dim", default=None) or r.get("hidden_size") // heads
+    if head_dim < 1:
+        raise ConfigError(r.prefix + "hidden_size", f"{r.get('hidden_size')} is smaller than num_attention_heads {heads} (no head_dim given)")
     return AttentionShape(num_kv_heads=kv, head_dim=head_dim)
 
 

@@ -69,9 +69,9 @@ def model_configs(draw):
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(paths))
         node = cfg
-        for k in path[:-1]:
-            node = node[k]
-        if path[-1] not in node:
+        for k in path[:-1]:  # an earlier mutation may have removed or replaced a parent
+            node = node.get(k) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or path[-1] not in node:
             continue
         if draw(st.booleans()):
             del node[path[-1]]

@@ -4,6 +4,7 @@ a hang - the coordinator takes the dead engine out of every pair, and the prefil
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -35,6 +36,9 @@ def served(ray_local, gdn_model):
     cluster = start_cluster(cfg, progress=print)
     try:
         start_http(cluster, progress=print)
+        # the idle value of every engine's free block count: after each fault the survivors must return to it
+        cluster.idle_free = {e: ray.get(h.free_blocks.remote()) for e, h in cluster.engines.items()}
+        print(f"idle free blocks: {cluster.idle_free}")
         yield cluster
     finally:
         stop_cluster(cluster, shutdown_serve=True, progress=print)
@@ -62,6 +66,18 @@ def complete(url: str, prompt: list[int], max_tokens: int = 8) -> dict:
     r = httpx.post(f"{url}/v1/completions", timeout=120,
                    json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
     return {"status": r.status_code, **r.json()}
+
+
+def assert_no_leaked_blocks(cluster, timeout_s: float = 10.0) -> None:
+    """Every surviving engine's free block count returns to its idle value (nothing held for dead requests)."""
+    def free():
+        return {e: ray.get(h.free_blocks.remote()) for e, h in cluster.engines.items() if e in cluster.idle_free}
+
+    try:
+        took = wait_for(lambda: free() == {e: cluster.idle_free[e] for e in free()}, timeout_s)
+    except AssertionError:
+        raise AssertionError(f"blocks leaked: free {free()} vs idle {cluster.idle_free}") from None
+    print(f"free blocks back to idle on {sorted(free())} ({took:.2f} s)")
 
 
 def wait_for(predicate, timeout_s: float) -> float:
@@ -93,6 +109,7 @@ def test_decode_dies_mid_stream(served):
     print(f"coordinator removed {victim} within {removed:.2f} s of the stream's end")
     assert reap(children) == [], "vLLM processes of the killed engine had to be killed"
     served.engines.pop(victim)
+    assert_no_leaked_blocks(served)
 
 
 def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
@@ -105,6 +122,7 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     ray.get(ref)
     ray.get(handle.register.remote(served.coordinator))
     served.engines["decode-9"] = handle
+    served.idle_free["decode-9"] = ray.get(handle.free_blocks.remote())
     decodes = sorted(ray.get(served.coordinator.ready.remote("decode")))
     assert len(decodes) == 2
     prompts = [[1] + [(7 * i + j) % 900 + 3 for j in range(40 + 30 * i)] for i in range(8)]
@@ -144,6 +162,7 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     assert httpx.get(f"{url}/health").status_code == 200
     assert reap(children) == []
     served.engines.pop(victim)
+    assert_no_leaked_blocks(served)
 
 
 def test_coordinator_restart_rebuilds_the_registry(served):
@@ -172,17 +191,51 @@ def test_coordinator_restart_rebuilds_the_registry(served):
     assert {k: v["state"] for k, v in after["engines"].items()} == {k: v["state"] for k, v in before["engines"].items()}
     assert sorted(map(str, after["pairs"])) == sorted(map(str, before["pairs"]))
     assert sorted(ray.get(served.coordinator.rebuilt_engines.remote())) == sorted(before["engines"])
+    assert_no_leaked_blocks(served)
+
+
+def test_prefill_dies_after_prefill_before_the_read(served):
+    """The window between a prefill and the decode engine's read, hit exactly: prefill a request, SIGKILL the prefill
+    engine, then hand its transfer parameters to a decode engine (what the router does next). The decode request
+    ends - completed by recomputing, or failed with an error - within seconds, and the decode engine frees every
+    block it took for it."""
+    prefill = served.engines["prefill-0"]
+    decode_id = sorted(e for e in served.engines if e.startswith("decode"))[0]
+    decode = served.engines[decode_id]
+    prompt = [1] + list(range(3, 400))
+    sampling = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    want, _ = asyncio.run(run_decode(decode, prompt, sampling, None, "window-ref"))  # colocated reference
+    params = ray.get(prefill.prefill.remote(prompt, "window-1"))
+    children = kill_engine(served, "prefill-0")
+    t0 = time.monotonic()
+    out, err = asyncio.run(asyncio.wait_for(run_decode(decode, prompt, sampling, params, "window-1"), 120))
+    took = time.monotonic() - t0
+    print(f"decode after the prefill engine died: {'completed ' + str(len(out)) + ' tokens' if err is None else 'failed: ' + str(err)[:200]} in {took:.2f} s")
+    assert took < 120 and (err is not None or out == want)  # recomputed locally: the right tokens, not garbage
+    assert ray.get(decode.num_unfinished.remote()) == 0
+    assert reap(children) == []
+    served.engines.pop("prefill-0")
+    assert_no_leaked_blocks(served)
+
+
+async def run_decode(decode, prompt, sampling, params, rid):
+    """A decode request straight on the engine (what the router does after a prefill); (tokens, error or None)."""
+    out, err = [], None
+    try:
+        stream = decode.decode.options(num_returns="streaming").remote(prompt, dict(sampling), params, rid)
+        async for ref in stream:
+            out += (await ref)["token_ids"]
+    except Exception as e:  # noqa: BLE001 - a clear failure is an allowed outcome
+        err = e
+    return out, err
 
 
 def test_prefill_death_is_a_clear_503(served):
     """With the only prefill engine dead, requests get 503 + Retry-After (not a hang or a 500) and /health says so."""
     url = served.url
-    children = kill_engine(served, "prefill-0")
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # the prefill engine was killed by the test before
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=60)
     assert r.status_code == 503 and r.headers.get("retry-after")
     assert r.json()["error"]["code"] in ("engine_failure", "no_capacity")
     wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 15)
     print(f"prefill death: 503 after {time.monotonic() - t0:.2f} s, /health 503")
-    assert reap(children) == []
-    served.engines.pop("prefill-0")
