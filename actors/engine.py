@@ -19,6 +19,7 @@ import asyncio
 import getpass
 import json
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -57,17 +58,26 @@ def pd_kv_transfer_config(role: str, engine_id: str, device: str = "cpu") -> dic
 _HANDED_OUT: set[int] = set()
 
 
+FREE_PORT_RANGE = (20000, 32000)  # below Linux's ephemeral range (32768+) and above Ray's worker ports (10002-19999)
+
+
 def free_port() -> int:
-    """A TCP port that is free right now and that this process has not handed out before (the kernel may return the
-    same ephemeral port to consecutive bind-and-close calls; two engines given one side-channel port hang at start)."""
-    for _ in range(100):
+    """A TCP port that is free right now, that this process has not handed out before, and that no other process is
+    about to take by chance: it comes from FREE_PORT_RANGE, not from the kernel's ephemeral range, where vLLM's own
+    processes pick their ports with bind(0) while our engines start (two users of one side-channel port hang)."""
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(*FREE_PORT_RANGE)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no fresh free port after 100 tries")
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {FREE_PORT_RANGE} after 1000 tries")
 
 
 def engine_env(tp: int, extra_env: dict[str, str] | None = None) -> dict[str, str]:
