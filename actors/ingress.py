@@ -51,7 +51,6 @@ class IngressSettings:
     api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 2
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Service:

@@ -34,16 +34,11 @@ def build_pair(args: argparse.Namespace) -> PairPlan:
 
 def sample_request(pair: PairPlan, tokens: int):
     """A request of `tokens` prompt tokens laid out on consecutive blocks on both sides."""
-    blocks = []
-    for layout in (pair.prefill, pair.decode):
-        at, per_group = 0, []
-        for group in layout.groups:
-            n = 1 if group.kind == "state" else -(-tokens // layout.block_size)
-            per_group.append(list(range(at, at + n)))
-            at += n
-        blocks.append(per_group)
+    from cluster.bench import sample_blocks
+
+    prefill_blocks, decode_blocks, _ = sample_blocks(pair, tokens)
     t0 = time.perf_counter()
-    plan = plan_request(pair, blocks[0], blocks[1], tokens - 1)
+    plan = plan_request(pair, prefill_blocks, decode_blocks, tokens - 1)
     return plan, (time.perf_counter() - t0) * 1e6
 
 

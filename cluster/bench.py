@@ -125,7 +125,7 @@ def naive_descriptors(pair, plan, decode_rank: int) -> int:
     return attn_layers * kv_blocks * d.kv_heads_local * 2 + state_layers * len(pair.state_reads[decode_rank])
 
 
-def _sample_blocks(pair, tokens: int, scattered: bool = False, pool: int = 0) -> tuple[list, list, int]:
+def sample_blocks(pair, tokens: int, scattered: bool = False, pool: int = 0) -> tuple[list, list, int]:
     """Block ids of one request on both sides: consecutive (a fresh engine's allocation, the best case for
     coalescing) or `scattered` (random distinct ids out of `pool` pages, as after a long-running engine's churn)."""
     rng = random.Random(tokens)
@@ -158,14 +158,14 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
         for p_tp, d_tp in pairs:
             pair = plan_pair(offline_layout(model, p_tp, "bfloat16", sdtype), offline_layout(model, d_tp, "bfloat16", sdtype))
             n_max = max(tokens)
-            _, _, pool = _sample_blocks(pair, n_max)
+            _, _, pool = sample_blocks(pair, n_max)
             pool *= 2  # room to scatter
             P = TransferSide.remote(pair.prefill, pool, True)
             D = TransferSide.remote(pair.decode, pool, False)
             try:
                 ray.get(D.connect.remote(ray.get(P.metadata.remote())))
                 for n, scattered in ((n, s) for n in tokens for s in (False, True)):
-                    pb, db, _ = _sample_blocks(pair, n, scattered, pool)
+                    pb, db, _ = sample_blocks(pair, n, scattered, pool)
                     plan = plan_request(pair, pb, db, n - 1)
                     plan_us = []
                     for _ in range(max(reps, 20)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import ray
@@ -74,6 +75,16 @@ async def colocated(engine: Any, prompt: list[int], max_tokens: int = MAX_TOKENS
     async for ref in stream:
         out += (await ref)["token_ids"]
     return out
+
+
+def wait_for(predicate, timeout_s: float, poll_s: float = 0.1) -> float:
+    """Poll `predicate` until it is true; returns the seconds it took, AssertionError after `timeout_s`."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"not true after {timeout_s} s")
+        time.sleep(poll_s)
+    return time.monotonic() - t0
 
 
 def gather(coros) -> list:

@@ -20,6 +20,7 @@ from actors.coordinator import ENGINE_PREFIX
 from actors.engine import free_port, launch_engine_actor
 from cluster.config import DeployConfig
 from cluster.launch import start_cluster, start_http, stop_cluster
+from tests.pd_helpers import wait_for
 
 pytestmark = pytest.mark.engine
 MODEL = "tiny-hybrid"
@@ -78,15 +79,6 @@ def assert_no_leaked_blocks(cluster, timeout_s: float = 10.0) -> None:
     except AssertionError:
         raise AssertionError(f"blocks leaked: free {free()} vs idle {cluster.idle_free}") from None
     print(f"free blocks back to idle on {sorted(free())} ({took:.2f} s)")
-
-
-def wait_for(predicate, timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"not true after {timeout_s} s")
-        time.sleep(0.1)
-    return time.monotonic() - t0
 
 
 def test_decode_dies_mid_stream(served):

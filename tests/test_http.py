@@ -15,6 +15,7 @@ import ray
 from actors.engine import free_port
 from cluster.config import DeployConfig
 from cluster.launch import start_cluster, start_http, stop_cluster
+from tests.pd_helpers import wait_for
 
 pytestmark = pytest.mark.engine
 KEY = "test-key-0123456789"
@@ -210,15 +211,6 @@ def test_no_capacity_is_503_with_retry_after(served):
     finally:
         ray.get(served.coordinator.set_state.remote("prefill-0", "ready"))
     assert post(served, {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
-
-
-def wait_for(predicate, timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"not true after {timeout_s} s")
-        time.sleep(0.2)
-    return time.monotonic() - t0
 
 
 def test_client_disconnect_aborts_on_both_engines(served):

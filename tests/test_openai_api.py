@@ -46,6 +46,8 @@ def error_of(body) -> APIError:
         ({**BASE, "n": 2}, "n", "invalid_value"),
         ({**BASE, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
         ({**BASE, "stop": [""]}, "stop", "invalid_value"),
+        ({**BASE, "prompt": "a\ud800b"}, "prompt", "invalid_value"),
+        ({**BASE, "stop": ["\udfff"]}, "stop", "invalid_value"),
         ({**BASE, "stream": "yes"}, "stream", "invalid_value"),
         ({**BASE, "stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_value"),
         ({**BASE, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
