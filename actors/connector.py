@@ -45,6 +45,13 @@ def _pd_free_blocks(self: Any) -> int:
     return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
+def _pd_held_requests(self: Any) -> list[str]:
+    """EngineCore utility: the requests the scheduler still holds - waiting, running, or finished with their blocks
+    kept for a remote reader (a prefilled request stays until the decode engine has read it, or its lease expires).
+    Unlike the workers' view, this already includes a prefill whose output has just been returned."""
+    return sorted(self.scheduler.requests)
+
+
 def _install_free_blocks_utility() -> None:
     # vLLM 0.32 looks utility calls up by name on EngineCore; this module is imported in the EngineCore process
     # (the scheduler-side connector), so the method exists there before anyone asks for it
@@ -52,6 +59,8 @@ def _install_free_blocks_utility() -> None:
 
     if not hasattr(EngineCore, "pd_free_blocks"):
         EngineCore.pd_free_blocks = _pd_free_blocks  # type: ignore[attr-defined]
+    if not hasattr(EngineCore, "pd_held_requests"):
+        EngineCore.pd_held_requests = _pd_held_requests  # type: ignore[attr-defined]
 
 
 _install_free_blocks_utility()

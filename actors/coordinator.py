@@ -112,11 +112,59 @@ class CoordinatorActor:
             self.core.deregister(rec.engine_id)
             self.handles.pop(rec.engine_id, None)
             raise
-        self.core.set_state(rec.engine_id, "ready")
+        # an engine found draining when a restarted coordinator rebuilds its registry stays out of new requests
+        self.core.set_state(rec.engine_id, "draining" if registration.get("draining") else "ready")
         log.info("registered %s (%s, TP %d); pairs %s", rec.engine_id, rec.role, layout.tp, pairs)
         return {"engine_id": rec.engine_id, "pairs": pairs}
 
+    async def claim_engine_id(self, role: str) -> str:
+        """A fresh engine id for a pool's new engine ("decode-3"): never a registered engine's, nor a live engine
+        actor's that has not registered yet (so a restarted coordinator does not hand out a taken one)."""
+        await self._ready()
+        taken = {a["name"][len(ENGINE_PREFIX):] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == self.namespace and a["name"].startswith(ENGINE_PREFIX)}
+        return self.core.claim_engine_id(role, taken)  # type: ignore[arg-type]
+
+    async def drain(self, engine_id: str) -> bool:
+        """Scale-down, step 1: routers stop choosing `engine_id` (and every pair with it) for new requests; what it
+        holds carries on. Returns whether it was registered."""
+        await self._ready()
+        if engine_id not in self.core.engines:
+            return False
+        self.core.set_state(engine_id, "draining")
+        log.info("draining %s: no new requests", engine_id)
+        return True
+
     async def deregister(self, engine_id: str) -> None:
+        """Remove the engine and every pair with it (decode engines forget a departed prefill engine's agents). From
+        here on no plan naming it is handed out."""
+        await self._ready()
+        await self._deregister(engine_id)
+
+    def record_join(self, info: dict[str, Any]) -> None:
+        """A pool replica's engine joined: its timings (actor start, engine load, registration and negotiation)."""
+        self.core.joins.append(info)
+        log.info("engine %s joined the %s pool in %.1f s (%s)", info["engine_id"], info["role"], info["total_s"],
+                 ", ".join(f"{k} {v:.1f} s" for k, v in info["phases"].items()))
+
+    def record_leave(self, info: dict[str, Any]) -> None:
+        self.core.leaves.append(info)
+        log.info("engine %s left the %s pool: %s", info["engine_id"], info["role"], info)
+
+    def record_scaling(self, decision: dict[str, Any]) -> None:
+        """An autoscaling decision (from the pool's policy in Serve's controller), with its reason."""
+        self.core.record_scaling(decision)
+        log.info("scale %s pool %s %d -> %d: %s", decision["role"], decision["direction"], decision["before"],
+                 decision["after"], decision["reason"])
+
+    def record_pool_signal(self, role: str, signal: dict[str, float]) -> None:
+        self.core.record_pool_signal(role, signal)
+
+    def pool_events(self) -> dict[str, list[dict[str, Any]]]:
+        """Scaling decisions, engine joins and leaves, oldest first."""
+        return {"scaling": list(self.core.scaling), "joins": list(self.core.joins), "leaves": list(self.core.leaves)}
+
+    async def _deregister(self, engine_id: str) -> None:
         rec = self.core.engines.get(engine_id)
         if rec is None:
             return
@@ -147,7 +195,7 @@ class CoordinatorActor:
             return False
         log.warning("engine %s is %s: removing it from every pair", engine_id, why)
         self.removed.append({"engine_id": engine_id, "why": why, "time": time.time()})
-        await self.deregister(engine_id)
+        await self._deregister(engine_id)
         return True
 
     async def _watch(self) -> None:

@@ -41,6 +41,11 @@ UNREAD_STATS_KEPT = 4096  # per-request transfer records kept until someone read
 CONNECTOR_MODULE = "actors.connector"
 
 
+class EngineDraining(RuntimeError):
+    """The engine is leaving its pool: it finishes what it holds but takes no new request (the router retries on
+    another pair)."""
+
+
 def pd_kv_transfer_config(role: str, engine_id: str, device: str = "cpu") -> dict[str, Any]:
     """The KV transfer config of a prefill or decode engine: the project's connector (vLLM's NIXL pull connector
     with the coordinator's plans in its data path), cache memory on `device` (DRAM on CPU hosts, VRAM on GPUs)."""
@@ -51,6 +56,9 @@ def pd_kv_transfer_config(role: str, engine_id: str, device: str = "cpu") -> dic
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_buffer_device": "cpu" if device == "cpu" else "cuda",
+        # a prompt state that cannot be read ends the request with finish_reason "error" (the router retries it on
+        # another pair) rather than a silent local recompute
+        "kv_load_failure_policy": "fail",
         "engine_id": engine_id,
     }
 
@@ -82,12 +90,16 @@ def free_port() -> int:
 
 def engine_env(tp: int, extra_env: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for one CPU engine: 1 GiB KV space, no reserved CPU, an explicit thread binding per TP rank
-    (vLLM's automatic binding asserts on a 1-NUMA-node machine at TP 2) and its own NIXL side-channel port."""
+    (vLLM's automatic binding asserts on a 1-NUMA-node machine at TP 2), its own NIXL side-channel port, and OpenMP
+    threads that sleep instead of spinning when they wait (`PD_OMP_WAIT_POLICY`, default PASSIVE): engines share
+    cores, and an idle engine's spinning threads starved a busy one - a TP 1 decode of 160 tokens next to an idle
+    TP 1 engine took 52 s spinning, 1.4 s passive; a TP 2 decode alone 3.7 vs 3.2 s."""
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_OMP_THREADS_BIND": CPU_BIND.get(tp, "nobind"),
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "OMP_WAIT_POLICY": os.environ.get("PD_OMP_WAIT_POLICY", "PASSIVE"),
     }
     env.update(extra_env or {})
     return env
@@ -175,6 +187,17 @@ class EngineActor:
         self._totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0}
         self._me = psutil.Process()
         self._shm: set[str] = set()
+        # load, for the pool's autoscaling signal and for draining
+        self.draining = False
+        self._prefill_tokens = 0  # prompt tokens of prefills admitted and not finished
+        self._prefills = 0
+        self._decodes = 0
+        self._total_blocks = 0  # the block pool's size (all free right after start)
+        self._usage = 0.0  # fraction of blocks in use, refreshed in the background (EngineCore may be mid-step)
+        self._usage_task: asyncio.Task | None = None
+        # wall time this engine first served a request: a prefill engine's first prefill done, a decode engine's first
+        # tokens out (engine warm-up excluded)
+        self.first_served_at: float | None = None
         # a private TMPDIR, inherited by vLLM's processes (file stores, IPC sockets) and removed at shutdown;
         # torch.compile's cache stays in the shared default place
         os.environ.setdefault(
@@ -205,6 +228,7 @@ class EngineActor:
         if self.role is not None:
             # a fresh engine's first forward pass is several seconds slower; pay it here, not in a user's TTFT
             await self.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=2)
+            self._total_blocks = await self.free_blocks()
         self.startup_s = time.monotonic() - t0
         return self.startup_s
 
@@ -259,7 +283,7 @@ class EngineActor:
         ranks = await self.engine.collective_rpc("pd_registration")
         hf_config = json.loads((Path(self.model_dir) / "config.json").read_text())
         return {"engine_id": self.engine_id, "role": self.role, "model": self.served_model, "hf_config": hf_config,
-                "ranks": sorted(ranks, key=lambda r: r["tp_rank"])}
+                "ranks": sorted(ranks, key=lambda r: r["tp_rank"]), "draining": self.draining}
 
     async def register(self, coordinator: Any, registration: dict[str, Any] | None = None) -> dict[str, Any]:
         """Register with the coordinator (which pushes negotiated plans to decode engines). `registration` lets a
@@ -320,15 +344,23 @@ class EngineActor:
         from vllm import SamplingParams
 
         self._require_engine()
+        self._refuse_if_draining()
         params = SamplingParams(
             max_tokens=1, temperature=0.0,
             extra_args={"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
         )
         final = None
-        async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
-            final = output
+        self._prefills += 1
+        self._prefill_tokens += len(prompt_token_ids)
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
+                final = output
+        finally:
+            self._prefills -= 1
+            self._prefill_tokens -= len(prompt_token_ids)
         if final is None or not final.kv_transfer_params:
             raise RuntimeError(f"prefill of {request_id} returned no transfer parameters")
+        self.first_served_at = self.first_served_at or time.time()
         return dict(final.kv_transfer_params)
 
     async def decode(self, prompt_token_ids: list[int], sampling: dict[str, Any], kv_transfer_params: dict[str, Any] | None, request_id: str):
@@ -339,16 +371,58 @@ class EngineActor:
         from vllm.sampling_params import RequestOutputKind
 
         self._require_engine()
+        self._refuse_if_draining()
         extra = dict(sampling.pop("extra_args", None) or {})
         if kv_transfer_params is not None:
             extra["kv_transfer_params"] = kv_transfer_params
         params = SamplingParams(**sampling, extra_args=extra or None, output_kind=RequestOutputKind.DELTA)
-        async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
-            c = output.outputs[0]
-            item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
-            if c.logprobs:
-                item["logprobs"] = [sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1]) for step in c.logprobs]
-            yield item
+        self._decodes += 1
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
+                c = output.outputs[0]
+                item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
+                if c.logprobs:
+                    item["logprobs"] = [sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1]) for step in c.logprobs]
+                self.first_served_at = self.first_served_at or time.time()
+                yield item
+        finally:
+            self._decodes -= 1
+
+    # ---- load and draining (the pool's autoscaling signal; scale-down) -------------------------------------------
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise EngineDraining(f"engine {self.engine_id} is draining (leaving its pool) and takes no new requests")
+
+    async def load(self) -> dict[str, float]:
+        """This engine's load, answered at once (the autoscaler must not read a busy engine as an idle one): prompt
+        tokens queued or in prefill, sequences being decoded, and the fraction of its KV/state blocks in use (as of
+        the last background refresh: the scheduler answers between steps)."""
+        if self.engine is not None and self._total_blocks and (self._usage_task is None or self._usage_task.done()):
+            self._usage_task = asyncio.ensure_future(self._refresh_usage())
+        return {"queued_prompt_tokens": float(self._prefill_tokens), "running_requests": float(self._decodes),
+                "cache_usage": self._usage}
+
+    async def _refresh_usage(self) -> None:
+        try:
+            self._usage = max(0.0, 1.0 - await asyncio.wait_for(self.free_blocks(), 30) / self._total_blocks)
+        except Exception:  # noqa: BLE001 - keep the last value
+            pass
+
+    def set_draining(self) -> None:
+        """Refuse new prefill/decode requests from now on (what is in flight carries on)."""
+        self.draining = True
+
+    async def busy(self) -> dict[str, Any]:
+        """What keeps a draining engine from leaving: requests in prefill or decode here, requests vLLM's front end
+        still tracks, and requests its scheduler still holds ("held": on a prefill engine, prefilled state that no
+        decode engine has read yet)."""
+        held: list[str] = []
+        if self.engine is not None:
+            held = list(await self.engine.engine_core.call_utility_async("pd_held_requests"))
+        return {"prefills": self._prefills, "decodes": self._decodes, "unfinished": self.num_unfinished(), "held": held}
+
+    def first_served(self) -> float | None:
+        return self.first_served_at
 
     async def abort(self, request_id: str) -> None:
         if self.engine is not None:

@@ -166,7 +166,8 @@ class Service:
         self.metrics.e2e.observe(time.perf_counter() - t0)
 
     async def cluster_state(self) -> dict[str, Any]:
-        """Pool sizes from the coordinator and transfer totals from the decode engines (bounded by a timeout)."""
+        """Pool sizes, autoscaling decisions and signals from the coordinator, and transfer totals from the decode
+        engines (bounded by a timeout)."""
         desc = await asyncio.wait_for(self.coordinator.describe.remote(), 5)
         pools: dict[tuple[str, str], int] = {}
         for e in desc["engines"].values():
@@ -178,7 +179,7 @@ class Service:
         decode_ids = [k for k, e in desc["engines"].items() if e["role"] == "decode"]
 
         async def one(engine_id: str) -> dict[str, float]:
-            handle = await self.router._handle(engine_id)
+            handle = await self.router._handle(engine_id, "decode")
             return await asyncio.wait_for(handle.transfer_totals.remote(), 5)
 
         for engine_id, got in zip(decode_ids, await asyncio.gather(*(one(d) for d in decode_ids), return_exceptions=True)):
@@ -188,7 +189,7 @@ class Service:
         for seen in self.transfer_seen.values():
             for k in totals:
                 totals[k] += seen[k]
-        return {"pools": pools, "transfers": totals, "retried": self.router.retried}
+        return {"pools": pools, "transfers": totals, "retried": self.router.retried, "scaling": desc.get("pools", {})}
 
 
 class _Outcome:

@@ -33,12 +33,31 @@ class ModelConfig(_Strict):
         return self
 
 
+class ScalingConfig(_Strict):
+    """How a pool autoscales between min_replicas and max_replicas (Ray Serve autoscaling with this project's policy,
+    `cluster/autoscale.py`). Each pool reads only its own signal: a prefill pool its queued prompt tokens, a decode pool
+    its running sequences and KV/state cache usage."""
+
+    target_queued_prompt_tokens: int = Field(
+        2048, ge=1, description="prefill pool: prompt tokens waiting or in prefill per engine that the pool aims for")
+    target_running_requests: float = Field(
+        8, gt=0, description="decode pool: sequences being decoded per engine that the pool aims for")
+    max_cache_usage: float = Field(
+        0.9, gt=0, le=1, description="decode pool: grow when an engine's KV/state blocks are fuller than this")
+    upscale_delay_s: float = Field(5, ge=0, le=3600, description="the signal must ask for more engines this long")
+    downscale_delay_s: float = Field(60, ge=0, le=86400, description="the signal must ask for fewer engines this long")
+    look_back_s: float = Field(5, ge=2, le=600, description="window the engines' load is averaged over (engines report every second)")
+    drain_timeout_s: float = Field(
+        120, gt=0, le=3600, description="a departing engine waits this long for its requests (and unread prefilled state)")
+
+
 class PoolConfig(_Strict):
     tp: int = Field(1, ge=1, le=8)
-    min_replicas: int = Field(1, ge=0, le=64)
+    min_replicas: int = Field(1, ge=1, le=64, description="engines always running (a pool cannot scale to zero)")
     max_replicas: int = Field(1, ge=1, le=64)
     kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="CPU hosts: DRAM for the KV/state cache per engine")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA hosts: vLLM's share of each GPU")
+    scaling: ScalingConfig = ScalingConfig()
 
     @field_validator("tp")
     @classmethod
@@ -52,6 +71,10 @@ class PoolConfig(_Strict):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
         return self
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas > self.min_replicas
 
 
 class HttpConfig(_Strict):

@@ -44,6 +44,13 @@ class Coordinator:
         self.plans_computed = 0
         self._plan_json: dict[int, str] = {}  # id(plan) -> JSON (plans live in self._plans as long as this cache)
         self._ranks_json: dict[str, str] = {}  # prefill engine id -> its ranks' registrations as JSON
+        # pools: autoscaling decisions (with reasons), each pool's latest signal, engines' join and leave timings
+        self.scaling: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.decisions: dict[tuple[str, str], int] = {}  # (role, "up"|"down") -> count
+        self.pool_signal: dict[str, dict[str, float]] = {}
+        self.joins: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.leaves: deque[dict[str, Any]] = deque(maxlen=1000)
+        self._next_id: dict[str, int] = {}
 
     # ---- membership ----
     def register(self, rec: EngineRecord) -> list[tuple[str, str]]:
@@ -99,6 +106,30 @@ class Coordinator:
     def set_state(self, engine_id: str, state: Literal["joining", "ready", "draining"]) -> None:
         self._engine(engine_id).state = state
 
+    def claim_engine_id(self, role: Role, taken: set[str] = frozenset()) -> str:
+        """The next free id of a pool's engine ("prefill-0", "prefill-1", ...), never one registered or in `taken`."""
+        if role not in ("prefill", "decode"):
+            raise RegistrationError("role", f"must be 'prefill' or 'decode', got {role!r}")
+        while True:
+            n = self._next_id.get(role, 0)
+            self._next_id[role] = n + 1
+            engine_id = f"{role}-{n}"
+            if engine_id not in self.engines and engine_id not in taken:
+                return engine_id
+
+    # ---- pools ----
+    def record_scaling(self, decision: dict[str, Any]) -> None:
+        self.scaling.append(decision)
+        key = (decision["role"], decision["direction"])
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+
+    def record_pool_signal(self, role: str, signal: dict[str, float]) -> None:
+        self.pool_signal[role] = {**signal, "time": time.time()}
+
+    def pools(self) -> dict[str, Any]:
+        return {"decisions": [{"role": r, "direction": d, "count": n} for (r, d), n in sorted(self.decisions.items())],
+                "signals": dict(self.pool_signal), "last_decisions": list(self.scaling)[-20:]}
+
     # ---- plans ----
     def pair(self, prefill_id: str, decode_id: str) -> PairPlan:
         try:
@@ -148,6 +179,7 @@ class Coordinator:
                 e.engine_id: {"role": e.role, "tp": e.layout.tp, "state": e.state, "model": e.model} for e in self.engines.values()
             },
             "pairs": [{"prefill": p, "decode": d, "tp_ratio": plan.tp_ratio} for (p, d), plan in self.pairs.items()],
+            "pools": self.pools(),
         }
 
 

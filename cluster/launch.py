@@ -3,10 +3,12 @@
     python -m cluster.launch deploy.yaml          # what `make run` and `ray job submit ... -- python -m cluster.launch` run
 
 Builds the tiny model if the file names a builtin one, joins the Ray cluster (RAY_ADDRESS, as `ray job submit` sets
-it) or starts a local one, starts the coordinator and the prefill and decode engines (progress every 10 s while they
-load), registers them (the coordinator negotiates every pair), starts the HTTP ingress (Ray Serve), checks it with
-one completion, prints the URL and a curl line, and serves until Ctrl-C / SIGTERM (`ray job stop`), then shuts down
-the ingress, the engines and the coordinator.
+it) or starts a local one, starts the coordinator and the prefill and decode pools as Ray Serve deployments (one
+replica = one engine; a pool with min_replicas < max_replicas autoscales on its own signal, see cluster/autoscale.py),
+waits for their engines to load and register (progress every 10 s; the coordinator negotiates every pair), starts the
+HTTP ingress, checks it with one completion, prints the URL and a curl line, and serves until Ctrl-C / SIGTERM
+(`ray job stop`), printing scaling decisions and engines joining or leaving; then shuts down the ingress, the pools
+(each engine drains first) and the coordinator.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -33,35 +36,140 @@ class Cluster:
     cfg: DeployConfig
     model_dir: Path
     coordinator: Any
-    engines: dict[str, Any] = field(default_factory=dict)  # engine id -> handle
+    engines: dict[str, Any] = field(default_factory=dict)  # engine id -> handle (pools: as of the last refresh)
     timings: dict[str, float] = field(default_factory=dict)
     url: str | None = None
+    pool_apps: list[str] = field(default_factory=list)  # Serve applications of the pools ("serve" mode)
+
+    def refresh_engines(self) -> dict[str, Any]:
+        """The engines registered with the coordinator now (pools grow and shrink): {engine id: handle}."""
+        import ray
+
+        from actors.coordinator import ENGINE_PREFIX
+
+        ns = self.cfg.coordinator.namespace
+        found = {}
+        for engine_id in ray.get(self.coordinator.describe.remote())["engines"]:
+            try:
+                found[engine_id] = ray.get_actor(f"{ENGINE_PREFIX}{engine_id}", namespace=ns)
+            except ValueError:  # left between the two calls
+                pass
+        self.engines = found
+        return found
 
 
-def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say) -> Cluster:
-    """Coordinator and engines, started and registered (Ray must be initialised). Raises with the engines stopped
-    when one fails to start or is refused by the coordinator."""
-    import ray
+def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say, *, pools: str = "serve") -> Cluster:
+    """Coordinator and engines, started and registered (Ray must be initialised).
 
-    from actors.coordinator import ENGINE_PREFIX, CoordinatorActor
-    from actors.engine import launch_engine_actor, stop_engine_actors
+    pools="serve" (what `cluster.launch` runs): each pool is a Ray Serve deployment whose replicas own one engine
+    each, sized between min_replicas and max_replicas by the pool's autoscaling policy; Serve also replaces a replica
+    whose engine died. Serve's HTTP proxy is started here on `http.host`/`http.port`.
+    pools="actors": min_replicas engines per pool as plain actors owned by the caller: fixed size, nothing replaces
+    a dead engine (tests that kill engines on purpose use it).
+    Raises with everything stopped when an engine fails to start or is refused by the coordinator."""
+    if pools not in ("serve", "actors"):
+        raise ValueError(f"pools must be 'serve' or 'actors', got {pools!r}")
+    return (_start_pools if pools == "serve" else _start_actors)(cfg, progress)
+
+
+def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
+    from actors.coordinator import CoordinatorActor
     from cluster.models import ensure_model
 
-    t0 = time.monotonic()
     model_dir = Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin)
     progress(f"model {cfg.model.name}: {model_dir}")
     # restarted by Ray if it dies; it then rebuilds its registry from the live engines (named, same namespace)
     coordinator = CoordinatorActor.options(
         name=cfg.coordinator.name, namespace=cfg.coordinator.namespace, get_if_exists=True, max_restarts=-1
     ).remote(namespace=cfg.coordinator.namespace)
-    cluster = Cluster(cfg, model_dir, coordinator)
+    return Cluster(cfg, model_dir, coordinator)
+
+
+def pool_spec(cluster: Cluster, role: str) -> dict[str, Any]:
+    """What each replica of a pool needs to start and register its engine."""
+    cfg = cluster.cfg
+    pool = getattr(cfg, role)
+    return {
+        "role": role, "model_dir": str(cluster.model_dir), "tp": pool.tp, "served_model": cfg.model.name,
+        "max_model_len": cfg.model.max_model_len, "dtype": cfg.model.dtype, "device": cfg.device,
+        "start_timeout_s": cfg.coordinator.engine_start_timeout_s, "device_options": _device_options(cfg, pool),
+        "coordinator": cfg.coordinator.name, "namespace": cfg.coordinator.namespace,
+        "drain_timeout_s": pool.scaling.drain_timeout_s,
+    }
+
+
+def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
+    import concurrent.futures
+
+    import ray
+    from ray import serve
+
+    from actors.pool import pool_app_name, pool_deployment
+
+    t0 = time.monotonic()
+    cluster = _start_coordinator(cfg, progress)
+    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    # Serve applications outlive a driver that was killed: pools of an earlier run would keep engines that this
+    # run's coordinator does not know
+    ours = {pool_app_name(cfg.coordinator.namespace, role) for role in ("prefill", "decode")}
+    stale = sorted(ours & set(serve.status().applications))
+    if stale:
+        progress(f"removing the pools of an earlier run: {', '.join(stale)}")
+        _stop_pools(cluster, progress, stale)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool_exec:
+            running = {}
+            for role in ("prefill", "decode"):
+                pool = getattr(cfg, role)
+                app = pool_app_name(cfg.coordinator.namespace, role)
+                cluster.pool_apps.append(app)
+                dep = pool_deployment(role, pool_spec(cluster, role), pool.min_replicas, pool.max_replicas,
+                                      pool.scaling.model_dump())
+                size = f"{pool.min_replicas}..{pool.max_replicas} (autoscaled)" if pool.autoscaling else str(pool.min_replicas)
+                progress(f"starting the {role} pool: {size} engine(s) of TP {pool.tp} ...")
+                running[pool_exec.submit(serve.run, dep, name=app, route_prefix=None)] = role
+            pending = set(running)
+            while pending:
+                done, pending = concurrent.futures.wait(pending, timeout=10)
+                for fut in done:
+                    fut.result()  # a pool that failed to deploy raises here
+                    progress(f"{running[fut]} pool up")
+                if pending:
+                    engines = ray.get(cluster.coordinator.describe.remote())["engines"]
+                    ready = ", ".join(sorted(engines)) or "none"
+                    progress(f"  loading engines ({time.monotonic() - t0:.0f} s); registered so far: {ready}")
+        cluster.refresh_engines()
+        for info in ray.get(cluster.coordinator.pool_events.remote())["joins"]:
+            phases = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.0f} s" for k, v in info["phases"].items())
+            progress(f"{info['engine_id']} (TP {info['tp']}) joined in {info['total_s']:.0f} s ({phases})")
+        pairs = ray.get(cluster.coordinator.describe.remote())["pairs"]
+        progress("negotiated pairs: " + ", ".join(f"{p['prefill']}->{p['decode']}" for p in pairs))
+        cluster.timings["engines_s"] = cluster.timings["registered_s"] = time.monotonic() - t0
+    except BaseException:
+        _stop_pools(cluster, progress)
+        ray.kill(cluster.coordinator, no_restart=True)
+        raise
+    return cluster
+
+
+def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
+    import ray
+
+    from actors.coordinator import ENGINE_PREFIX
+    from actors.engine import launch_engine_actor, stop_engine_actors
+
+    t0 = time.monotonic()
+    cluster = _start_coordinator(cfg, progress)
+    coordinator = cluster.coordinator
+
+
     launched = []
     try:
         for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
-            for i in range(max(pool.min_replicas, 1)):
+            for i in range(pool.min_replicas):
                 engine_id = f"{role}-{i}"
                 handle, ref = launch_engine_actor(
-                    model_dir, pool.tp, role=role, engine_id=engine_id, served_model=cfg.model.name,
+                    cluster.model_dir, pool.tp, role=role, engine_id=engine_id, served_model=cfg.model.name,
                     max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
                     start_timeout_s=cfg.coordinator.engine_start_timeout_s, **_device_options(cfg, pool),
                     name=f"{ENGINE_PREFIX}{engine_id}", namespace=cfg.coordinator.namespace,
@@ -124,6 +232,24 @@ def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:
     return cluster.url
 
 
+def _stop_pools(cluster: Cluster, progress: Callable[[str], None], apps: list[str] | None = None) -> None:
+    """Delete the pools' Serve applications (both at once): every replica drains its engine, deregisters and stops
+    it (each checks that none of its engine's processes survives)."""
+    import concurrent.futures
+
+    from ray import serve
+
+    def delete(app: str) -> None:
+        try:
+            serve.delete(app)
+        except Exception as e:  # noqa: BLE001 - keep shutting the rest down
+            progress(f"could not remove {app}: {e}")
+
+    apps = cluster.pool_apps if apps is None else apps
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(apps))) as pool:
+        list(pool.map(delete, apps))
+
+
 def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Callable[[str], None] = say) -> None:
     """Remove the ingress, stop the engines (checking no process survives) and the coordinator."""
     import ray
@@ -134,12 +260,44 @@ def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Ca
 
     if cluster.url is not None:
         try:
-            serve.shutdown() if shutdown_serve else serve.delete(APP_NAME)
+            serve.delete(APP_NAME)
         except Exception as e:  # noqa: BLE001 - keep shutting the rest down
             progress(f"could not remove the ingress: {e}")
     progress("stopping engines ...")
-    stop_engine_actors(list(cluster.engines.values()))
+    if cluster.pool_apps:
+        _stop_pools(cluster, progress)
+    else:
+        stop_engine_actors(list(cluster.engines.values()))
+    if shutdown_serve:
+        try:
+            serve.shutdown()
+        except Exception as e:  # noqa: BLE001
+            progress(f"could not shut Serve down: {e}")
     ray.kill(cluster.coordinator, no_restart=True)
+
+
+def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = say, interval_s: float = 2.0) -> None:
+    """Print each scaling decision (with its reason) and each engine joining or leaving, until `stop` is set."""
+    import ray
+
+    seen = {"scaling": 0, "joins": 0, "leaves": 0}
+    first = True
+    while not stop.wait(0 if first else interval_s):
+        try:
+            events = ray.get(cluster.coordinator.pool_events.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a restarting coordinator: try again next time
+            continue
+        for kind, items in events.items():
+            for e in items[seen[kind]:] if not first else []:
+                if kind == "scaling":
+                    progress(f"autoscaler: {e['role']} pool {e['before']} -> {e['after']} ({e['reason']})")
+                elif kind == "joins":
+                    phases = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in e["phases"].items())
+                    progress(f"{e['engine_id']} joined the {e['role']} pool in {e['total_s']:.1f} s ({phases})")
+                else:
+                    progress(f"{e['engine_id']} left the {e['role']} pool (drained in {e['drain_s']:.1f} s)")
+            seen[kind] = len(items)
+        first = False
 
 
 def self_check(cluster: Cluster, api_key: str | None) -> dict[str, Any]:
@@ -202,8 +360,13 @@ def main(argv: list[str]) -> int:
         say(f"ready in {time.monotonic() - t0:.0f} s: {cluster.url}/v1/completions  (model {cfg.model.name})")
         print(f"\n  {curl_line(cluster)}\n", flush=True)
         say("serving; Ctrl-C (or `ray job stop`) shuts everything down")
-        while True:
-            time.sleep(3600)
+        stop_watch = threading.Event()
+        threading.Thread(target=watch_pools, args=(cluster, stop_watch), daemon=True).start()
+        try:
+            while True:
+                time.sleep(3600)
+        finally:
+            stop_watch.set()
     except (_Stop, KeyboardInterrupt) as e:
         say(f"stopping ({e or 'interrupted'}) ...")
     except Exception as e:

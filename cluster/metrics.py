@@ -16,7 +16,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 class ServiceMetrics:
     """One registry per ingress replica. `cluster_state` is set by the caller just before each scrape:
-    {"pools": {(role, state): count}, "transfers": {"transfers", "bytes", "descriptors", "seconds"}}."""
+    {"pools": {(role, state): count}, "transfers": {"transfers", "bytes", "descriptors", "seconds"}, "retried": n,
+    "scaling": the coordinator's `pools()` (decision counts, each pool's latest signal, the last decisions)}."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -47,6 +48,31 @@ class _ClusterCollector:
         for (role, st), n in sorted(state.get("pools", {}).items()):
             pools.add_metric([role, st], n)
         yield pools
+        scaling = state.get("scaling", {})
+        decisions = CounterMetricFamily("pd_scaling_decisions", "Autoscaling decisions by pool and direction",
+                                        labels=["role", "direction"])
+        for d in scaling.get("decisions", []):
+            decisions.add_metric([d["role"], d["direction"]], float(d["count"]))
+        yield decisions
+        target = GaugeMetricFamily("pd_pool_target_engines", "Engines each pool's autoscaler aims for", labels=["role"])
+        load = GaugeMetricFamily("pd_pool_load", "Each pool's autoscaling signal, summed over its engines "
+                                 "(cache_usage: the fullest engine)", labels=["role", "signal"])
+        for role, sig in sorted(scaling.get("signals", {}).items()):
+            target.add_metric([role], float(sig.get("target", 0)))
+            for name in ("queued_prompt_tokens", "running_requests", "cache_usage"):
+                if name in sig:
+                    load.add_metric([role, name], float(sig[name]))
+        yield target
+        yield load
+        last = GaugeMetricFamily("pd_pool_last_scaling_decision_timestamp_seconds",
+                                 "When each pool last scaled, with the decision and its reason",
+                                 labels=["role", "direction", "before", "after", "reason"])
+        latest: dict[str, dict[str, Any]] = {}
+        for d in scaling.get("last_decisions", []):
+            latest[d["role"]] = d
+        for role, d in sorted(latest.items()):
+            last.add_metric([role, d["direction"], str(d["before"]), str(d["after"]), d["reason"]], float(d["time"]))
+        yield last
         retried = CounterMetricFamily("pd_requests_retried", "Requests retried on another pair after an engine failure")
         retried.add_metric([], float(state.get("retried", 0)))
         yield retried

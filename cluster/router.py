@@ -9,7 +9,9 @@
   3. tokens stream back. A failure on either side frees the request's blocks on both sides at once (the prefill side's
      blocks would otherwise wait for vLLM's abort timeout); a request that had not streamed a token yet is retried
      once on a pair without the failed engine, otherwise it ends with a clear error. A dead engine is reported to the
-     coordinator, which takes it out of every pair.
+     coordinator, which takes it out of every pair. An engine leaving its pool (scale-down) refuses new requests
+     while it drains, and one that has left has no handle any more: both are failures before the first token, so a
+     request that raced the departure is retried on another pair.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class CoordinatorUnavailable(NoCapacity):
 
 
 class EngineFailure(RuntimeError):
-    """An engine failed while serving the request; `phase` is 'prefill' or 'decode'. `streamed`: tokens had already
-    reached the caller (then the request cannot be retried transparently)."""
+    """An engine failed while serving the request; `phase` is 'prefill', 'decode' or 'transfer' (the decode engine
+    could not read the state: `engine_id` is then the prefill engine). `streamed`: tokens had already reached the
+    caller (then the request cannot be retried transparently)."""
 
     def __init__(self, phase: str, engine_id: str, cause: BaseException | str, streamed: bool = False):
         super().__init__(f"{phase} failed on engine {engine_id}: {_cause(cause) if isinstance(cause, BaseException) else cause}")
@@ -74,11 +77,11 @@ class Router:
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - RayActorError, ActorUnavailableError, ...
             raise CoordinatorUnavailable(f"{method}: {_cause(e)}") from None
 
-    async def _handle(self, engine_id: str) -> Any:
+    async def _handle(self, engine_id: str, phase: str) -> Any:
         if engine_id not in self._handles:
             handle = await self._ask("handle", engine_id)
-            if handle is None:
-                raise NoCapacity(f"engine {engine_id} left the cluster")
+            if handle is None:  # it left (scale-down, death) after the coordinator listed it: try another pair
+                raise EngineFailure(phase, engine_id, "the engine left the cluster")
             self._handles[engine_id] = handle
         return self._handles[engine_id]
 
@@ -137,7 +140,7 @@ class Router:
         if not decodes:
             raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
         d_id = pair[1] if pair else self._pick(decodes)
-        prefill, decode = await self._handle(p_id), await self._handle(d_id)
+        prefill, decode = await self._handle(p_id, "prefill"), await self._handle(d_id, "decode")
 
         self.inflight[p_id] += 1
         ref = prefill.prefill.remote(prompt_token_ids, rid)
@@ -159,9 +162,19 @@ class Router:
             stream = decode.decode.options(num_returns="streaming").remote(prompt_token_ids, dict(sampling), params, rid)
             async for ref in stream:
                 out = await ref
+                if out.get("finish_reason") == "error":
+                    # vLLM ends a request whose prompt state could not be read (kv_load_failure_policy "fail"): the
+                    # prefill engine left or died after its prefill. A clean failure, retried on another pair.
+                    raise EngineFailure("transfer", p_id, f"decode engine {d_id} could not read the prompt's state",
+                                        streamed=streamed)
+                if out.get("finish_reason") == "abort":  # the engine stopped under the request: never a short success
+                    raise EngineFailure("decode", d_id, "the engine aborted the request (it is shutting down)",
+                                        streamed=streamed)
                 finished = out.get("finish_reason") is not None
                 streamed = True  # whatever reached the caller cannot be taken back: no retry from here on
                 yield out
+        except EngineFailure:
+            raise
         except Exception as e:
             raise EngineFailure("decode", d_id, e, streamed=streamed) from None
         finally:

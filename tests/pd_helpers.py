@@ -16,6 +16,16 @@ from cluster.router import Router
 MAX_TOKENS = 12
 
 
+def oracle(prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
+    """The greedy continuation the tiny GDN model's weights implement (`cluster.models.expected_next_token`)."""
+    from cluster.models import expected_next_token
+
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(expected_next_token(ids))
+    return ids[len(prompt):]
+
+
 def prompts(seed: int = 5, lengths=(3, 60, 200, 700)) -> list[list[int]]:
     """Token prompts from shorter than one block to several blocks (blocks are 128-384 tokens on CPU)."""
     rng = random.Random(seed)

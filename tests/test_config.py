@@ -21,6 +21,7 @@ def write(tmp_path: Path, data) -> Path:
 def test_default_deployment_is_the_embedded_one():
     cfg = load_deploy(ROOT / "deploy.yaml")
     assert (cfg.model.builtin, cfg.prefill.tp, cfg.decode.tp, cfg.device) == ("gdn", 1, 2, "cpu")
+    assert cfg.prefill.autoscaling and cfg.decode.autoscaling  # each pool 1..2 engines
     assert cfg.http.host == "127.0.0.1" and cfg.http.api_key is None
     assert DeployConfig().http.host == "127.0.0.1"  # loopback also when the file says nothing
 

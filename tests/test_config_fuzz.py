@@ -21,8 +21,8 @@ SCALARS = st.none() | st.booleans() | st.integers(-5, 5000) | st.floats(allow_na
 VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
 DEPLOY_KEYS = {
     "model": ["builtin", "path", "name", "dtype", "max_model_len"],
-    "prefill": ["tp", "min_replicas", "max_replicas", "kv_cache_gib", "gpu_memory_utilization"],
-    "decode": ["tp", "min_replicas", "max_replicas", "kv_cache_gib"],
+    "prefill": ["tp", "min_replicas", "max_replicas", "kv_cache_gib", "gpu_memory_utilization", "scaling"],
+    "decode": ["tp", "min_replicas", "max_replicas", "kv_cache_gib", "scaling"],
     "coordinator": ["name", "namespace", "engine_start_timeout_s"],
     "http": ["host", "port", "api_key", "api_key_env", "max_body_bytes", "retry_after_s"],
 }
@@ -47,7 +47,8 @@ def test_any_deploy_file_loads_or_names_a_field(tmp_path, data):
     p.write_text(yaml.safe_dump(data))
     try:
         cfg = load_deploy(p)
-        assert cfg.prefill.min_replicas <= cfg.prefill.max_replicas
+        assert 1 <= cfg.prefill.min_replicas <= cfg.prefill.max_replicas and 1 <= cfg.decode.min_replicas <= cfg.decode.max_replicas
+        assert cfg.decode.scaling.target_running_requests > 0 and 0 < cfg.decode.scaling.max_cache_usage <= 1
     except DeployError as e:
         assert "invalid deployment" in str(e) and ": " in str(e).splitlines()[-1]
 

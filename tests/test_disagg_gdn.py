@@ -6,25 +6,19 @@ from __future__ import annotations
 import asyncio
 import copy
 import socket
+from types import SimpleNamespace
 
 import psutil
 import pytest
 import ray
 
 from cluster.coordinator import RegistrationError
-from cluster.models import ensure_model, expected_next_token
-from tests.pd_helpers import MAX_TOKENS, PDCluster, colocated, gather, prompts, run_pair
+from cluster.models import ensure_model
+from tests.pd_helpers import PDCluster, colocated, gather, oracle, prompts, run_pair
 
 pytestmark = pytest.mark.engine
 
 PAIRS = [(1, 1), (1, 2), (2, 1), (2, 2)]
-
-
-def oracle(prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(expected_next_token(ids))
-    return ids[len(prompt):]
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +149,56 @@ def test_failed_prefill_is_a_clear_error(pd):
         asyncio.run(too_long())
     assert ray.get(pd.engines[("prefill", 2)].pending_sends.remote(wait_s=0)) == []
     assert ray.get(pd.engines[("prefill", 2)].health.remote())["healthy"]
+
+
+class _LeavesAfterPrefill:
+    """A prefill engine's handle that, right after its first prefill returns, has the coordinator deregister the
+    engine (what a scale-down does): the decode engines forget its agents before the router asks one to read."""
+
+    def __init__(self, handle, engine_id: str, coordinator, departed: list[str]):
+        self._h, self._id, self._coordinator, self._departed = handle, engine_id, coordinator, departed
+        self.prefill = SimpleNamespace(remote=self._prefill)
+
+    async def _prefill(self, prompt, rid):
+        params = await self._h.prefill.remote(prompt, rid)
+        if not self._departed:
+            self._departed.append(self._id)
+            await self._coordinator.deregister.remote(self._id)
+        return params
+
+    def __getattr__(self, name):  # release, ...: the real engine
+        return getattr(self._h, name)
+
+
+def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd):
+    """The race of a scale-down, caused for real at its worst moment: the prefill engine leaves between its prefill
+    and the decode engine's read. The read fails cleanly (vLLM ends the request with finish_reason "error", never a
+    short answer), the prefill side's blocks are freed, and the router retries once on a pair without that engine:
+    the right tokens."""
+    from cluster.router import Router
+
+    router = Router(pd.coordinator)
+    departed: list[str] = []
+    for tp in (1, 2):
+        engine_id = f"prefill-tp{tp}"
+        router._handles[engine_id] = _LeavesAfterPrefill(pd.engines[("prefill", tp)], engine_id, pd.coordinator, departed)
+    prompt = prompts()[2]
+    try:
+        out = asyncio.run(run_router(router, prompt))
+        assert out == oracle(prompt) and router.retried == 1 and len(departed) == 1
+        gone = pd.engines[("prefill", int(departed[0][-1]))]
+        assert ray.get(gone.pending_sends.remote(wait_s=5)) == []  # nothing held for the read that failed
+        assert departed[0] not in ray.get(pd.coordinator.describe.remote())["engines"]
+    finally:
+        for engine_id in departed:  # back in the cluster for the next tests
+            ray.get(pd.engines[("prefill", int(engine_id[-1]))].register.remote(pd.coordinator))
+
+
+async def run_router(router, prompt, max_tokens: int = 12) -> list[int]:
+    out: list[int] = []
+    async for item in router.generate(prompt, {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}):
+        out += item["token_ids"]
+    return out
 
 
 def test_shutdown_leaves_no_engine_processes_or_ports(pd):

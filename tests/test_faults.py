@@ -34,7 +34,8 @@ def served(ray_local, gdn_model):
         "coordinator": {"name": "coordinator-faults", "namespace": "pd-test-faults"},
         "http": {"port": free_port()},
     })
-    cluster = start_cluster(cfg, progress=print)
+    # engines as plain actors (pools="actors"): these tests kill them on purpose, and Serve would replace them
+    cluster = start_cluster(cfg, progress=print, pools="actors")
     try:
         start_http(cluster, progress=print)
         # the idle value of every engine's free block count: after each fault the survivors must return to it

@@ -1,0 +1,186 @@
+"""Prefill and decode pools as Ray Serve deployments: one replica = one engine, and Serve's autoscaler sizes each pool
+on its own signal (`cluster/autoscale.py`).
+
+A replica's life:
+  join   - claim an engine id from the coordinator, start the engine actor (named `pd-engine-<id>`, owned by the
+           replica: if the replica dies, so does its engine), wait for vLLM to load, register with the coordinator.
+           The coordinator keeps the engine and its pairs hidden ("joining") until every pair's plan is installed,
+           so the engine gets traffic only once it is fully negotiated. Timings go to the coordinator (`record_join`).
+  serve  - Serve asks `record_autoscaling_stats` for the engine's load every second and `check_health` every 5 s (a
+           dead engine fails the check and Serve replaces the replica).
+  leave  - on scale-down (or app deletion) Serve calls `__del__`: the coordinator stops routing to the engine, the
+           engine refuses new requests, the replica waits until the engine holds nothing (requests in prefill or
+           decode, and prefilled state no decode engine has read yet) or `drain_timeout_s` passes (then it frees the
+           unread state), deregisters it (no plan naming it is handed out again) and only then stops it.
+
+Requests never pass through these replicas: the router calls the engine actors directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+from ray import serve
+
+from actors.coordinator import ENGINE_PREFIX
+from actors.engine import launch_engine_actor, stop_engine_actors
+
+log = logging.getLogger("ray.serve")
+METRIC_PUSH_INTERVAL_S = "1"  # replicas push their engine's load to Serve's controller this often (Ray's default 10)
+
+
+def pool_app_name(namespace: str, role: str) -> str:
+    """The Serve application of one pool, e.g. "hybrid-pd-prefill-pool" (per namespace: one Ray cluster can host
+    several deployments)."""
+    return f"{namespace}-{role}-pool"
+
+
+class PoolReplica:
+    async def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.role = spec["role"]
+        self.engine = None
+        t0 = time.time()
+        self.coordinator = ray.get_actor(spec["coordinator"], namespace=spec["namespace"])
+        self.engine_id = await self.coordinator.claim_engine_id.remote(self.role)
+        handle, started = launch_engine_actor(
+            spec["model_dir"], spec["tp"], role=self.role, engine_id=self.engine_id, served_model=spec["served_model"],
+            max_model_len=spec["max_model_len"], dtype=spec["dtype"], device=spec["device"],
+            start_timeout_s=spec["start_timeout_s"], name=f"{ENGINE_PREFIX}{self.engine_id}",
+            namespace=spec["namespace"], **spec["device_options"],
+        )
+        self.engine = handle
+        try:
+            await handle.__ray_ready__.remote()
+            t_actor = time.time()
+            await started
+            t_loaded = time.time()
+            await handle.register.remote(self.coordinator)
+            t_registered = time.time()
+        except BaseException:
+            await asyncio.to_thread(stop_engine_actors, [handle])
+            self.engine = None
+            raise
+        self.joined = {
+            "engine_id": self.engine_id, "role": self.role, "tp": spec["tp"], "replica_started": t0,
+            "registered": t_registered, "total_s": t_registered - t0,
+            "phases": {"actor_start_s": t_actor - t0, "engine_load_s": t_loaded - t_actor,
+                       "registration_s": t_registered - t_loaded},
+        }
+        self.coordinator.record_join.remote(self.joined)
+        log.info("engine %s joined the %s pool in %.1f s", self.engine_id, self.role, self.joined["total_s"])
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's load (Serve's custom autoscaling metrics; the pool's policy reads them). Nothing while the
+        replica is leaving."""
+        if self.engine is None:
+            return {}
+        return await asyncio.wait_for(self.engine.load.remote(), 5)
+
+    async def check_health(self) -> None:
+        """Fail (Serve then replaces this replica) only when the engine is dead or its vLLM engine failed; a busy
+        engine that answers slowly is not dead."""
+        if self.engine is None:  # leaving
+            return
+        try:
+            health = await asyncio.wait_for(self.engine.health.remote(), 20)
+        except ray.exceptions.ActorDiedError as e:
+            raise RuntimeError(f"engine {self.engine_id} died: {e}") from None
+        except Exception:  # noqa: BLE001 - slow or transiently unreachable
+            return
+        if health.get("started") and not health.get("healthy"):
+            raise RuntimeError(f"engine {self.engine_id}'s vLLM engine failed")
+
+    def info(self) -> dict[str, Any]:
+        return self.joined
+
+    async def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        self.engine = None
+        t0 = time.time()
+        info: dict[str, Any] = {"engine_id": self.engine_id, "role": self.role, "started": t0}
+        try:
+            await asyncio.wait_for(self.coordinator.drain.remote(self.engine_id), 10)
+        except Exception as e:  # noqa: BLE001 - a restarting coordinator: the engine refuses new requests anyway
+            log.warning("drain %s: coordinator unreachable: %s", self.engine_id, e)
+        try:
+            await engine.set_draining.remote()
+            info.update(await self._wait_idle(engine, self.spec["drain_timeout_s"]))
+            info["first_served"] = await engine.first_served.remote()
+        except Exception as e:  # noqa: BLE001 - a dead engine holds nothing
+            info["engine_error"] = f"{type(e).__name__}: {e}"[:300]
+        info["drain_s"] = time.time() - t0
+        try:
+            await asyncio.wait_for(self.coordinator.deregister.remote(self.engine_id), 10)
+        except Exception as e:  # noqa: BLE001 - its health watcher removes a dead engine
+            log.warning("deregister %s: %s", self.engine_id, e)
+        t1 = time.time()
+        await asyncio.to_thread(stop_engine_actors, [engine])
+        info["stop_s"] = time.time() - t1
+        log.info("engine %s left the %s pool: %s", self.engine_id, self.role, info)
+        try:
+            await asyncio.wait_for(self.coordinator.record_leave.remote(info), 5)
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            pass
+
+    async def _wait_idle(self, engine: Any, timeout_s: float) -> dict[str, Any]:
+        """Wait until the engine holds nothing: no request in prefill or decode, none its scheduler keeps (on a
+        prefill engine that includes prefilled state no decode engine has read yet). At the deadline free the
+        prefilled state no one read."""
+        deadline = time.monotonic() + timeout_s
+        first = None
+        while True:
+            busy = await asyncio.wait_for(engine.busy.remote(), 30)
+            first = first or busy
+            if not (busy["prefills"] or busy["decodes"] or busy["unfinished"] or busy["held"]):
+                return {"held_at_start": _summary(first), "timed_out": False}
+            if time.monotonic() >= deadline:
+                if busy["held"] and self.role == "prefill":  # prefilled state nobody read: let it go
+                    await engine.release.remote(busy["held"])
+                log.warning("engine %s still held %s after %.0f s of draining", self.engine_id, _summary(busy), timeout_s)
+                return {"held_at_start": _summary(first), "timed_out": True, "held_at_end": _summary(busy)}
+            await asyncio.sleep(0.2)
+
+
+def _summary(busy: dict[str, Any]) -> dict[str, int]:
+    return {k: (len(v) if isinstance(v, list) else int(v)) for k, v in busy.items()}
+
+
+def pool_deployment(role: str, spec: dict[str, Any], min_replicas: int, max_replicas: int, scaling: dict[str, Any]):
+    """The Serve deployment of one pool, bound to `spec` (what every replica needs to start its engine).
+    min == max: a fixed pool of that size; otherwise Serve autoscaling with the pool's policy."""
+    from cluster.autoscale import PoolPolicy
+
+    options: dict[str, Any] = {
+        "name": f"{role}-pool",
+        "ray_actor_options": {"num_cpus": 0,
+                              "runtime_env": {"env_vars": {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": METRIC_PUSH_INTERVAL_S}}},
+        # the controller kills a replica this long after asking it to stop: drain, then engine shutdown (<= 60 s)
+        "graceful_shutdown_timeout_s": scaling["drain_timeout_s"] + 90,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 60,
+        "max_constructor_retry_count": 3,
+    }
+    if max_replicas > min_replicas:
+        options["autoscaling_config"] = {
+            "min_replicas": min_replicas, "max_replicas": max_replicas, "initial_replicas": min_replicas,
+            "look_back_period_s": scaling["look_back_s"],
+            # what the replicas really push at (the env var above); Ray deprecates the field but still checks
+            # look_back_period_s against it
+            "metrics_interval_s": float(METRIC_PUSH_INTERVAL_S),
+            # the policy applies the configured delays itself (so that it knows when it decides); Serve's own are off
+            "upscale_delay_s": 0, "downscale_delay_s": 0,
+            "policy": {"policy_function": PoolPolicy, "policy_kwargs": {
+                "role": role, "min_replicas": min_replicas, "max_replicas": max_replicas, "scaling": scaling,
+                "coordinator": spec["coordinator"], "namespace": spec["namespace"]}},
+        }
+    else:
+        options["num_replicas"] = min_replicas
+    return serve.deployment(PoolReplica).options(**options).bind(spec)

@@ -1,0 +1,80 @@
+"""How the router ends a request whose decode engine ends it abnormally. Stand-ins for the coordinator and engines
+(a mock, for faults too slow or racy to cause for real here): an engine stopped under a request (vLLM's finish_reason
+"abort", what a scale-down past its drain timeout does), a state read that failed ("error"), an engine gone between
+the coordinator's answer and the call. Never a short answer reported as a success; a failure before the first token
+is retried once on a pair without the engine at fault. The real versions: tests/test_disagg_gdn.py (a read racing a
+prefill engine's departure) and tests/test_autoscale.py (scale-down with requests in flight)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.router import EngineFailure, Router
+
+
+def _ready(value):
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
+
+
+class FakeEngine:
+    def __init__(self, outputs: list[dict]):
+        self.outputs, self.released, self.aborted = outputs, [], []
+        self.prefill = SimpleNamespace(remote=lambda prompt, rid: _ready({"remote_request_id": rid}))
+        self.release = SimpleNamespace(remote=lambda ids: _ready(self.released.extend(ids)))
+        self.abort = SimpleNamespace(remote=lambda rid: self.aborted.append(rid))
+        self.decode = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=self._stream))
+
+    async def _stream(self, *args):
+        for out in self.outputs:
+            yield _ready(out)
+
+
+class FakeCoordinator:
+    def __init__(self, engines: dict[str, FakeEngine | None], pairs: list[tuple[str, str]]):
+        self.engines, self.pairs, self.reported = engines, pairs, []
+        self.ready = SimpleNamespace(remote=lambda role: _ready(sorted({p if role == "prefill" else d for p, d in self.pairs})))
+        self.decodes_for = SimpleNamespace(remote=lambda p: _ready([d for q, d in self.pairs if q == p]))
+        self.handle = SimpleNamespace(remote=lambda e: _ready(self.engines.get(e)))
+        self.engine_failed = SimpleNamespace(remote=lambda e: _ready(self.reported.append(e)))
+
+
+def tokens(*ids, finish=None):
+    return {"token_ids": list(ids), "text": "".join(f"<{i}>" for i in ids), "finish_reason": finish}
+
+
+async def collect(router: Router) -> list[dict]:
+    return [out async for out in router.generate([1, 2, 3], {"max_tokens": 3})]
+
+
+def test_an_aborted_request_is_a_failure_not_a_short_answer():
+    d = FakeEngine([tokens(5), tokens(6), {"token_ids": [], "text": "", "finish_reason": "abort"}])
+    router = Router(FakeCoordinator({"p": FakeEngine([]), "d": d}, [("p", "d")]))
+    with pytest.raises(EngineFailure, match="decode failed on engine d: the engine aborted") as e:
+        asyncio.run(collect(router))
+    assert e.value.streamed and router.retried == 0  # tokens had reached the caller: not retried, reported
+
+
+def test_a_failed_state_read_is_retried_on_a_pair_without_that_prefill_engine():
+    bad = FakeEngine([{"token_ids": [], "text": "", "finish_reason": "error"}])
+    good = FakeEngine([tokens(7, 8), tokens(9, finish="length")])
+    p1, p2 = FakeEngine([]), FakeEngine([])
+    coordinator = FakeCoordinator({"p1": p1, "p2": p2, "d1": bad, "d2": good}, [("p1", "d1"), ("p2", "d2")])
+    router = Router(coordinator)
+    router._pick = lambda candidates: sorted(candidates)[0]  # p1 first
+    outs = asyncio.run(collect(router))
+    assert [t for o in outs for t in o["token_ids"]] == [7, 8, 9] and outs[-1]["finish_reason"] == "length"
+    assert router.retried == 1 and len(p1.released) == 1  # the failed attempt's blocks on p1 are let go
+    assert "p1" in coordinator.reported  # the prefill engine is the one at fault, not the decode engine
+
+
+def test_an_engine_gone_after_the_coordinator_listed_it_is_retried():
+    good = FakeEngine([tokens(4, finish="stop")])
+    coordinator = FakeCoordinator({"p1": None, "p2": FakeEngine([]), "d": good}, [("p1", "d"), ("p2", "d")])
+    router = Router(coordinator)
+    router._pick = lambda candidates: sorted(candidates)[0]
+    assert [o["token_ids"] for o in asyncio.run(collect(router))] == [[4]] and router.retried == 1
