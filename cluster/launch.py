@@ -116,28 +116,30 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     if stale:
         progress(f"removing the pools of an earlier run: {', '.join(stale)}")
         _stop_pools(cluster, progress, stale)
+    # serve.run blocks until a pool's first engines are up: one thread per pool, so that both load at once and this
+    # thread reports progress (and is free to stop everything on Ctrl-C)
+    pool_exec = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pd-pool-deploy")
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool_exec:
-            running = {}
-            for role in ("prefill", "decode"):
-                pool = getattr(cfg, role)
-                app = pool_app_name(cfg.coordinator.namespace, role)
-                cluster.pool_apps.append(app)
-                dep = pool_deployment(role, pool_spec(cluster, role), pool.min_replicas, pool.max_replicas,
-                                      pool.scaling.model_dump())
-                size = f"{pool.min_replicas}..{pool.max_replicas} (autoscaled)" if pool.autoscaling else str(pool.min_replicas)
-                progress(f"starting the {role} pool: {size} engine(s) of TP {pool.tp} ...")
-                running[pool_exec.submit(serve.run, dep, name=app, route_prefix=None)] = role
-            pending = set(running)
-            while pending:
-                done, pending = concurrent.futures.wait(pending, timeout=10)
-                for fut in done:
-                    fut.result()  # a pool that failed to deploy raises here
-                    progress(f"{running[fut]} pool up")
-                if pending:
-                    engines = ray.get(cluster.coordinator.describe.remote())["engines"]
-                    ready = ", ".join(sorted(engines)) or "none"
-                    progress(f"  loading engines ({time.monotonic() - t0:.0f} s); registered so far: {ready}")
+        running = {}
+        for role in ("prefill", "decode"):
+            pool = getattr(cfg, role)
+            app = pool_app_name(cfg.coordinator.namespace, role)
+            cluster.pool_apps.append(app)
+            dep = pool_deployment(role, pool_spec(cluster, role), pool.min_replicas, pool.max_replicas,
+                                  pool.scaling.model_dump())
+            size = f"{pool.min_replicas}..{pool.max_replicas} (autoscaled)" if pool.autoscaling else str(pool.min_replicas)
+            progress(f"starting the {role} pool: {size} engine(s) of TP {pool.tp} ...")
+            running[pool_exec.submit(serve.run, dep, name=app, route_prefix=None)] = role
+        pending = set(running)
+        while pending:
+            done, pending = concurrent.futures.wait(pending, timeout=10)
+            for fut in done:
+                fut.result()  # a pool that failed to deploy raises here
+                progress(f"{running[fut]} pool up")
+            if pending:
+                engines = ray.get(cluster.coordinator.describe.remote())["engines"]
+                ready = ", ".join(sorted(engines)) or "none"
+                progress(f"  loading engines ({time.monotonic() - t0:.0f} s); registered so far: {ready}")
         cluster.refresh_engines()
         for info in ray.get(cluster.coordinator.pool_events.remote())["joins"]:
             phases = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.0f} s" for k, v in info["phases"].items())
@@ -149,6 +151,8 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
         _stop_pools(cluster, progress)
         ray.kill(cluster.coordinator, no_restart=True)
         raise
+    finally:
+        pool_exec.shutdown(wait=False, cancel_futures=True)
     return cluster
 
 
