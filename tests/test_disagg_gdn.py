@@ -14,7 +14,7 @@ import ray
 
 from cluster.coordinator import RegistrationError
 from cluster.models import ensure_model
-from tests.pd_helpers import PDCluster, colocated, gather, oracle, prompts, run_pair
+from tests.pd_helpers import PDCluster, colocated, gather, oracle, prompts, run_pair, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -149,6 +149,28 @@ def test_failed_prefill_is_a_clear_error(pd):
         asyncio.run(too_long())
     assert ray.get(pd.engines[("prefill", 2)].pending_sends.remote(wait_s=0)) == []
     assert ray.get(pd.engines[("prefill", 2)].health.remote())["healthy"]
+
+
+def test_a_prefill_engine_is_busy_until_its_prefilled_state_is_read(pd):
+    """What a draining prefill engine waits for: after its prefill returned, the engine still holds the request's
+    state for the decode engine (its scheduler keeps it); once the decode engine has read it, nothing is held."""
+    prefill, decode = pd.engines[("prefill", 1)], pd.engines[("decode", 1)]
+    assert ray.get(prefill.busy.remote()) == {"prefills": 0, "decodes": 0, "unfinished": 0, "held": []}
+    prompt = prompts()[2]
+    params = ray.get(prefill.prefill.remote(prompt, "held-1"))
+    held = ray.get(prefill.busy.remote())
+    assert len(held["held"]) == 1 and held["prefills"] == 0, held  # the prefill is done, its state is not read yet
+    assert asyncio.run(decode_with(decode, prompt, params)) == oracle(prompt)
+    wait_for(lambda: ray.get(prefill.busy.remote())["held"] == [], 10)
+
+
+async def decode_with(decode, prompt, params, max_tokens: int = 12) -> list[int]:
+    out: list[int] = []
+    stream = decode.decode.options(num_returns="streaming").remote(
+        prompt, {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, params, "held-1-decode")
+    async for ref in stream:
+        out += (await ref)["token_ids"]
+    return out
 
 
 class _LeavesAfterPrefill:
