@@ -215,7 +215,7 @@ def test_prefill_pool_grows_and_shrinks_alone(scaled):
         load = Load(scaled)
         load.start("hot", "long", 12)
         load.start("tail", "short", 1)
-        await until(lambda: scaled.watch.now("prefill") == 2 and joined_engine_served(scaled, "prefill", t0), 400,
+        await until(lambda: scaled.watch.now("prefill") == 2 and joined_engine_served(scaled, "prefill", t0), 600,
                     "the prefill pool grows to 2 and its new engine serves")
         await asyncio.sleep(3)
         await load.stop("hot")
@@ -244,7 +244,7 @@ def test_decode_pool_grows_alone(scaled):
     async def run():
         load = Load(scaled)
         load.start("hot", "short", 14)
-        await until(lambda: scaled.watch.now("decode") == 2 and joined_engine_served(scaled, "decode", t0), 400,
+        await until(lambda: scaled.watch.now("decode") == 2 and joined_engine_served(scaled, "decode", t0), 600,
                     "the decode pool grows to 2 and its new engine serves")
         await asyncio.sleep(2)
         await load.stop("hot")
