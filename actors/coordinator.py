@@ -107,13 +107,20 @@ class CoordinatorActor:
             by_decode: dict[str, list[tuple[str, str]]] = {}
             for p, d in pairs:  # one call per decode engine, carrying all its new plans
                 by_decode.setdefault(d, []).append((p, self.core.payload(p, d)))
-            await asyncio.gather(*(self.handles[d].install_pairs.remote(plans) for d, plans in by_decode.items()))
+            results = await asyncio.gather(*(self.handles[d].install_pairs.remote(plans) for d, plans in by_decode.items()),
+                                           return_exceptions=True)
+            for d, r in zip(by_decode, results):
+                # a decode engine that left meanwhile (scale-down, death) does not fail this engine's join
+                if isinstance(r, BaseException) and d in self.core.engines and d in self.handles:
+                    raise r
         except Exception:
             self.core.deregister(rec.engine_id)
             self.handles.pop(rec.engine_id, None)
             raise
-        # an engine found draining when a restarted coordinator rebuilds its registry stays out of new requests
-        self.core.set_state(rec.engine_id, "draining" if registration.get("draining") else "ready")
+        # an engine found draining when a restarted coordinator rebuilds its registry, or told to drain while its
+        # plans were being pushed, stays out of new requests
+        if rec.engine_id in self.core.engines and self.core.engines[rec.engine_id].state == "joining":
+            self.core.set_state(rec.engine_id, "draining" if registration.get("draining") else "ready")
         log.info("registered %s (%s, TP %d); pairs %s", rec.engine_id, rec.role, layout.tp, pairs)
         return {"engine_id": rec.engine_id, "pairs": pairs}
 

@@ -468,6 +468,9 @@ class EngineActor:
             healthy = False
         return {"started": True, "healthy": healthy, "tp": self.tp, "model": self.model_dir}
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def pids(self) -> list[int]:
         """The actor's pid followed by every process vLLM started under it (EngineCore, workers, helpers)."""
         return [p.pid for p in _process_tree(self._me)]
@@ -562,9 +565,12 @@ def stop_engine_actor(handle, timeout_s: float = 60.0) -> list[str]:
 def stop_engine_actors(handles: list, timeout_s: float = 60.0) -> list[str]:
     """`stop_engine_actor` for several engines at once (their shutdowns run in parallel)."""
     pids: list[int] = []
+    here = ray.get_runtime_context().get_node_id()
     for handle in handles:
         try:
-            pids += ray.get(handle.pids.remote(), timeout=timeout_s)
+            where = ray.get(handle.node_id.remote(), timeout=timeout_s)
+            if where == here:  # pids of another node mean other processes here (its own shutdown checks them there)
+                pids += ray.get(handle.pids.remote(), timeout=timeout_s)
         except Exception:  # noqa: BLE001 - a dead actor cannot report its pids
             pass
     removed: list[str] = []

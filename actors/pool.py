@@ -30,7 +30,7 @@ from actors.coordinator import ENGINE_PREFIX
 from actors.engine import launch_engine_actor, stop_engine_actors
 
 log = logging.getLogger("ray.serve")
-METRIC_PUSH_INTERVAL_S = "1"  # replicas push their engine's load to Serve's controller this often (Ray's default 10)
+METRIC_PUSH_INTERVAL_S = 1.0  # replicas push their engine's load to Serve's controller this often (Ray's default 10)
 
 
 def pool_app_name(namespace: str, role: str) -> str:
@@ -44,6 +44,7 @@ class PoolReplica:
         self.spec = spec
         self.role = spec["role"]
         self.engine = None
+        self.leaving = False  # set by __del__, which Serve may call while this constructor still awaits
         t0 = time.time()
         self.coordinator = ray.get_actor(spec["coordinator"], namespace=spec["namespace"])
         self.engine_id = await self.coordinator.claim_engine_id.remote(self.role)
@@ -59,11 +60,14 @@ class PoolReplica:
             t_actor = time.time()
             await started
             t_loaded = time.time()
+            if self.leaving:
+                raise RuntimeError(f"pool replica stopped while engine {self.engine_id} was loading")
             await handle.register.remote(self.coordinator)
             t_registered = time.time()
         except BaseException:
-            await asyncio.to_thread(stop_engine_actors, [handle])
-            self.engine = None
+            if self.engine is not None:  # else __del__ took it over
+                self.engine = None
+                await asyncio.to_thread(stop_engine_actors, [handle])
             raise
         self.joined = {
             "engine_id": self.engine_id, "role": self.role, "tp": spec["tp"], "replica_started": t0,
@@ -99,8 +103,9 @@ class PoolReplica:
         return self.joined
 
     async def __del__(self) -> None:
+        self.leaving = True
         engine = getattr(self, "engine", None)
-        if engine is None:
+        if engine is None:  # not launched yet, or the constructor is cleaning up after itself
             return
         self.engine = None
         t0 = time.time()
@@ -110,10 +115,10 @@ class PoolReplica:
         except Exception as e:  # noqa: BLE001 - a restarting coordinator: the engine refuses new requests anyway
             log.warning("drain %s: coordinator unreachable: %s", self.engine_id, e)
         try:
-            await engine.set_draining.remote()
+            await asyncio.wait_for(engine.set_draining.remote(), 30)
             info.update(await self._wait_idle(engine, self.spec["drain_timeout_s"]))
-            info["first_served"] = await engine.first_served.remote()
-        except Exception as e:  # noqa: BLE001 - a dead engine holds nothing
+            info["first_served"] = await asyncio.wait_for(engine.first_served.remote(), 10)
+        except Exception as e:  # noqa: BLE001 - dead (holds nothing) or unreachable to the end of the drain
             info["engine_error"] = f"{type(e).__name__}: {e}"[:300]
         info["drain_s"] = time.time() - t0
         try:
@@ -121,7 +126,10 @@ class PoolReplica:
         except Exception as e:  # noqa: BLE001 - its health watcher removes a dead engine
             log.warning("deregister %s: %s", self.engine_id, e)
         t1 = time.time()
-        await asyncio.to_thread(stop_engine_actors, [engine])
+        try:
+            await asyncio.to_thread(stop_engine_actors, [engine])
+        except Exception as e:  # noqa: BLE001 - reported below; Serve kills the replica (and so the engine) anyway
+            info["stop_error"] = f"{type(e).__name__}: {e}"[:300]
         info["stop_s"] = time.time() - t1
         log.info("engine %s left the %s pool: %s", self.engine_id, self.role, info)
         try:
@@ -136,13 +144,22 @@ class PoolReplica:
         deadline = time.monotonic() + timeout_s
         first = None
         while True:
-            busy = await asyncio.wait_for(engine.busy.remote(), 30)
+            try:
+                busy = await asyncio.wait_for(engine.busy.remote(), 30)
+            except ray.exceptions.ActorDiedError:
+                raise  # a dead engine holds nothing
+            except Exception as e:  # noqa: BLE001 - busy or briefly unreachable is not idle: ask again
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("drain %s: no answer yet (%s)", self.engine_id, type(e).__name__)
+                await asyncio.sleep(1)
+                continue
             first = first or busy
             if not (busy["prefills"] or busy["decodes"] or busy["unfinished"] or busy["held"]):
                 return {"held_at_start": _summary(first), "timed_out": False}
             if time.monotonic() >= deadline:
                 if busy["held"] and self.role == "prefill":  # prefilled state nobody read: let it go
-                    await engine.release.remote(busy["held"])
+                    await asyncio.wait_for(engine.release.remote(busy["held"]), 30)
                 log.warning("engine %s still held %s after %.0f s of draining", self.engine_id, _summary(busy), timeout_s)
                 return {"held_at_start": _summary(first), "timed_out": True, "held_at_end": _summary(busy)}
             await asyncio.sleep(0.2)
@@ -159,8 +176,7 @@ def pool_deployment(role: str, spec: dict[str, Any], min_replicas: int, max_repl
 
     options: dict[str, Any] = {
         "name": f"{role}-pool",
-        "ray_actor_options": {"num_cpus": 0,
-                              "runtime_env": {"env_vars": {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": METRIC_PUSH_INTERVAL_S}}},
+        "ray_actor_options": {"num_cpus": 0},
         # the controller kills a replica this long after asking it to stop: drain, then engine shutdown (<= 60 s)
         "graceful_shutdown_timeout_s": scaling["drain_timeout_s"] + 90,
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -172,9 +188,9 @@ def pool_deployment(role: str, spec: dict[str, Any], min_replicas: int, max_repl
         options["autoscaling_config"] = {
             "min_replicas": min_replicas, "max_replicas": max_replicas, "initial_replicas": min_replicas,
             "look_back_period_s": scaling["look_back_s"],
-            # what the replicas really push at (the env var above); Ray deprecates the field but still checks
-            # look_back_period_s against it
-            "metrics_interval_s": float(METRIC_PUSH_INTERVAL_S),
+            # how often replicas push their load (Ray 2.60 reads this field; it calls it deprecated in favour of an
+            # environment variable that it does not read yet)
+            "metrics_interval_s": METRIC_PUSH_INTERVAL_S,
             # the policy applies the configured delays itself (so that it knows when it decides); Serve's own are off
             "upscale_delay_s": 0, "downscale_delay_s": 0,
             "policy": {"policy_function": PoolPolicy, "policy_kwargs": {

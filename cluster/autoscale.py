@@ -59,7 +59,8 @@ class Decision:
 
 def wanted(role: str, loads: list[dict[str, float]], current: int, scaling: dict[str, Any],
            min_replicas: int, max_replicas: int) -> Want:
-    """The engine count `loads` (one dict of signals per running engine) asks for. `current`: the pool's target now."""
+    """The engine count `loads` (one dict of signals per running engine) asks for. `current`: the engines running
+    now (not the target: while a new engine loads, a full cache must not ask for yet another one)."""
     if role == "prefill":
         queued = sum(load.get("queued_prompt_tokens", 0.0) for load in loads)
         target = scaling["target_queued_prompt_tokens"]
@@ -123,7 +124,7 @@ class PoolPolicy:
         target = ctx.target_num_replicas
         low = max(self.min, ctx.capacity_adjusted_min_replicas)
         high = max(low, min(self.max, ctx.capacity_adjusted_max_replicas))
-        want = wanted(self.role, list(per_replica.values()), target, self.scaling, low, high)
+        want = wanted(self.role, list(per_replica.values()), len(running), self.scaling, low, high)
         if want.replicas < target and len(per_replica) < len(running):
             # an engine that did not report is unknown, not idle: never shrink on partial data (growing on it is
             # safe: the reporting engines' load is a lower bound)

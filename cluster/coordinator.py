@@ -110,6 +110,10 @@ class Coordinator:
         """The next free id of a pool's engine ("prefill-0", "prefill-1", ...), never one registered or in `taken`."""
         if role not in ("prefill", "decode"):
             raise RegistrationError("role", f"must be 'prefill' or 'decode', got {role!r}")
+        for known in (*self.engines, *taken):  # after a restart: continue above the highest id still around
+            head, _, num = known.rpartition("-")
+            if head == role and num.isdigit():
+                self._next_id[role] = max(self._next_id.get(role, 0), int(num) + 1)
         while True:
             n = self._next_id.get(role, 0)
             self._next_id[role] = n + 1

@@ -284,15 +284,16 @@ def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = s
     """Print each scaling decision (with its reason) and each engine joining or leaving, until `stop` is set."""
     import ray
 
-    seen = {"scaling": 0, "joins": 0, "leaves": 0}
-    first = True
-    while not stop.wait(0 if first else interval_s):
+    stamp = {"scaling": "time", "joins": "registered", "leaves": "started"}  # each event's wall time
+    seen = {kind: time.time() for kind in stamp}  # print what happens from now on (by time: the lists are bounded)
+    while not stop.wait(interval_s):
         try:
             events = ray.get(cluster.coordinator.pool_events.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - a restarting coordinator: try again next time
             continue
         for kind, items in events.items():
-            for e in items[seen[kind]:] if not first else []:
+            fresh = [e for e in items if e[stamp[kind]] > seen[kind]]
+            for e in fresh:
                 if kind == "scaling":
                     progress(f"autoscaler: {e['role']} pool {e['before']} -> {e['after']} ({e['reason']})")
                 elif kind == "joins":
@@ -300,8 +301,7 @@ def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = s
                     progress(f"{e['engine_id']} joined the {e['role']} pool in {e['total_s']:.1f} s ({phases})")
                 else:
                     progress(f"{e['engine_id']} left the {e['role']} pool (drained in {e['drain_s']:.1f} s)")
-            seen[kind] = len(items)
-        first = False
+            seen[kind] = max([seen[kind], *(e[stamp[kind]] for e in fresh)])
 
 
 def self_check(cluster: Cluster, api_key: str | None) -> dict[str, Any]:

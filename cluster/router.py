@@ -115,6 +115,7 @@ class Router:
                         yield out
                 return
             except EngineFailure as e:
+                self._handles.pop(e.engine_id, None)  # ask the coordinator again: it may have left or been replaced
                 self._background(self._report_failure(e.engine_id))
                 if e.streamed or pair is not None or attempt == retries:
                     raise
@@ -173,6 +174,8 @@ class Router:
                 finished = out.get("finish_reason") is not None
                 streamed = True  # whatever reached the caller cannot be taken back: no retry from here on
                 yield out
+            if not finished:  # the engine's stream ended without an end: never a short success
+                raise EngineFailure("decode", d_id, "the stream ended before the request finished", streamed=streamed)
         except EngineFailure:
             raise
         except Exception as e:

@@ -264,8 +264,7 @@ def test_decode_pool_grows_alone(scaled):
 def test_decode_scale_down_with_requests_in_flight_loses_none(scaled):
     """Long answers keep decoding on both engines while the pool shrinks: the leaving engine finishes its requests
     (it refuses new ones; the router sends them elsewhere), then deregisters and stops."""
-    if scaled.watch.now("decode") != 2:
-        pytest.skip("needs the decode pool at 2 engines (test_decode_pool_grows_alone)")
+    assert scaled.watch.now("decode") == 2, "needs the decode pool at 2 engines (test_decode_pool_grows_alone)"
     t0 = time.time()
 
     async def run():
@@ -327,7 +326,10 @@ def test_a_dead_engine_is_replaced(scaled):
         now = ray.get(scaled.coordinator.describe.remote())["engines"]
         return victim not in now and any(d["role"] == "prefill" and d["state"] == "ready" for d in now.values())
 
+    killed_at = time.time()
     took = asyncio.run(until(replaced, 400, "a new prefill engine replaces the killed one"))
+    joins = [j for j in events(scaled)["joins"] if j["role"] == "prefill" and j["replica_started"] >= killed_at]
+    assert joins and joins[0]["engine_id"] != victim, "no new prefill engine joined after the kill"
     prompt, max_tokens, expected = scaled.refs["short"][0]
     client = openai.OpenAI(base_url=f"{scaled.url}/v1", api_key="unused", max_retries=0, timeout=120)
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})

@@ -92,7 +92,7 @@ def test_pool_policy_reads_its_own_signal_of_running_replicas_only(monkeypatch):
     assert policy(ctx(2, ["r1", "r2"], idle))[0] == 2
     clock[0] += 10
     assert policy(ctx(2, ["r1", "r2"], idle))[0] == 1
-    # Serve's capacity-adjusted bounds win over the configured ones
+    # a capacity-adjusted minimum above the configured one wins
     assert policy(ctx(1, ["r1"], {}, lo=2, hi=2))[1]["wanted"] == 2
 
 
@@ -139,3 +139,22 @@ def test_pool_policy_never_shrinks_on_missing_reports(monkeypatch):
     assert n == 2 and state["reason"].startswith("holding: 1 of 2 engines did not report")
     partial_busy = {"running_requests": {"r1": 13.0}, "cache_usage": {"r1": 0.1}}
     assert [policy(ctx(2, ["r1", "r2"], partial_busy, hi=3))[0] for clock[0] in (100.0, 103.0)] == [2, 3]
+
+
+def test_a_full_cache_asks_for_one_engine_more_than_are_running_not_than_the_target(monkeypatch):
+    """While the engine the pool already decided on is loading (target 2, one running), a full cache must not grow
+    the pool again and again."""
+    import cluster.autoscale as autoscale
+
+    clock = [0.0]
+    monkeypatch.setattr(autoscale.time, "time", lambda: clock[0])
+    policy = PoolPolicy("decode", 1, 6, SCALING)
+    policy._report = lambda *a: None
+    full = {"running_requests": {"r1": 2.0}, "cache_usage": {"r1": 0.95}}
+    targets = []
+    target = 1
+    for _ in range(20):
+        target = policy(ctx(target, ["r1"], full, hi=6))[0]
+        targets.append(target)
+        clock[0] += 1
+    assert max(targets) == 2 and targets[-1] == 2
