@@ -251,6 +251,11 @@ class CoordinatorActor:
         return list(self.core.negotiation_us)
 
 
+def engine_actor(engine_id: str, namespace: str) -> Any:
+    """The named actor of engine `engine_id` (ValueError once it has gone)."""
+    return ray.get_actor(f"{ENGINE_PREFIX}{engine_id}", namespace=namespace)
+
+
 def get_or_create_coordinator(namespace: str | None = None) -> Any:
     """The cluster's coordinator: the named actor if it exists, else a new one."""
     return CoordinatorActor.options(name=COORDINATOR_NAME, namespace=namespace, get_if_exists=True).remote()

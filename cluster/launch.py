@@ -45,13 +45,12 @@ class Cluster:
         """The engines registered with the coordinator now (pools grow and shrink): {engine id: handle}."""
         import ray
 
-        from actors.coordinator import ENGINE_PREFIX
+        from actors.coordinator import engine_actor
 
-        ns = self.cfg.coordinator.namespace
         found = {}
         for engine_id in ray.get(self.coordinator.describe.remote())["engines"]:
             try:
-                found[engine_id] = ray.get_actor(f"{ENGINE_PREFIX}{engine_id}", namespace=ns)
+                found[engine_id] = engine_actor(engine_id, self.cfg.coordinator.namespace)
             except ValueError:  # left between the two calls
                 pass
         self.engines = found
@@ -142,8 +141,7 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
                 progress(f"  loading engines ({time.monotonic() - t0:.0f} s); registered so far: {ready}")
         cluster.refresh_engines()
         for info in ray.get(cluster.coordinator.pool_events.remote())["joins"]:
-            phases = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.0f} s" for k, v in info["phases"].items())
-            progress(f"{info['engine_id']} (TP {info['tp']}) joined in {info['total_s']:.0f} s ({phases})")
+            progress(f"{info['engine_id']} (TP {info['tp']}) joined in {info['total_s']:.0f} s ({_phases(info, 0)})")
         pairs = ray.get(cluster.coordinator.describe.remote())["pairs"]
         progress("negotiated pairs: " + ", ".join(f"{p['prefill']}->{p['decode']}" for p in pairs))
         cluster.timings["engines_s"] = cluster.timings["registered_s"] = time.monotonic() - t0
@@ -154,6 +152,11 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     finally:
         pool_exec.shutdown(wait=False, cancel_futures=True)
     return cluster
+
+
+def _phases(join: dict[str, Any], digits: int) -> str:
+    """A join's phase times: "actor start 1 s, engine load 39 s, registration 0 s"."""
+    return ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.{digits}f} s" for k, v in join["phases"].items())
 
 
 def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
@@ -297,8 +300,7 @@ def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = s
                 if kind == "scaling":
                     progress(f"autoscaler: {e['role']} pool {e['before']} -> {e['after']} ({e['reason']})")
                 elif kind == "joins":
-                    phases = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in e["phases"].items())
-                    progress(f"{e['engine_id']} joined the {e['role']} pool in {e['total_s']:.1f} s ({phases})")
+                    progress(f"{e['engine_id']} joined the {e['role']} pool in {e['total_s']:.1f} s ({_phases(e, 1)})")
                 else:
                     progress(f"{e['engine_id']} left the {e['role']} pool (drained in {e['drain_s']:.1f} s)")
             seen[kind] = max([seen[kind], *(e[stamp[kind]] for e in fresh)])

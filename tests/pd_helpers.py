@@ -78,9 +78,15 @@ async def run_pair(router: Router, prefill_id: str, decode_id: str, prompt: list
 
 async def colocated(engine: Any, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     """The same request run whole by one engine (no transfer)."""
+    return await decode_stream(engine, prompt, None, max_tokens)
+
+
+async def decode_stream(engine: Any, prompt: list[int], params: dict[str, Any] | None, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """A greedy request on a decode engine, straight (no router): with a prefill's transfer parameters the engine
+    reads the state from that prefill engine; with None it runs the whole request itself."""
     out: list[int] = []
     stream = engine.decode.options(num_returns="streaming").remote(
-        prompt, {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, None, f"colo-{random.random()}"
+        prompt, {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, params, f"direct-{random.random()}"
     )
     async for ref in stream:
         out += (await ref)["token_ids"]

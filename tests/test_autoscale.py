@@ -75,7 +75,7 @@ class PoolWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        from actors.coordinator import ENGINE_PREFIX
+        from actors.coordinator import engine_actor
 
         ns = self.cluster.cfg.coordinator.namespace
         while not self._stop.wait(0.25):
@@ -88,7 +88,7 @@ class PoolWatch:
                 count[e["role"]] += 1
                 if engine_id not in self.pids:
                     try:
-                        self.pids[engine_id] = ray.get(ray.get_actor(f"{ENGINE_PREFIX}{engine_id}", namespace=ns).pids.remote(), timeout=10)
+                        self.pids[engine_id] = ray.get(engine_actor(engine_id, ns).pids.remote(), timeout=10)
                     except Exception:  # noqa: BLE001 - try again next sample
                         pass
             self.samples.append((time.time(), count))
@@ -124,6 +124,7 @@ class Load:
     """Closed-loop clients over HTTP; every answer is checked against the reference."""
 
     def __init__(self, cluster):
+        self.cluster = cluster
         self.refs = cluster.refs
         self.client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=600)
         self.results: list[dict] = []
@@ -173,10 +174,10 @@ def events(cluster) -> dict:
 
 
 def served_by(cluster, engine_id: str) -> float | None:
-    from actors.coordinator import ENGINE_PREFIX
+    from actors.coordinator import engine_actor
 
     try:
-        handle = ray.get_actor(f"{ENGINE_PREFIX}{engine_id}", namespace=cluster.cfg.coordinator.namespace)
+        handle = engine_actor(engine_id, cluster.cfg.coordinator.namespace)
         return ray.get(handle.first_served.remote(), timeout=10)
     except Exception:  # noqa: BLE001 - gone
         return None
@@ -202,6 +203,14 @@ def scale_up_breakdown(cluster, role: str, since: float) -> dict:
     return out
 
 
+def checked_decisions(load: Load, since: float) -> list[dict]:
+    """Every request of `load` answered right; the scaling decisions taken since `since`."""
+    n = load.check()
+    mine = [d for d in events(load.cluster)["scaling"] if d["time"] >= since]
+    print(f"{n} requests, all right; decisions: {[(d['role'], d['direction'], d['reason']) for d in mine]}")
+    return mine
+
+
 def joined_engine_served(cluster, role: str, since: float) -> bool:
     joins = [j for j in events(cluster)["joins"] if j["role"] == role and j["replica_started"] >= since]
     return bool(joins) and served_by(cluster, joins[-1]["engine_id"]) is not None
@@ -225,11 +234,7 @@ def test_prefill_pool_grows_and_shrinks_alone(scaled):
         await load.stop("tail")
         return load
 
-    load = asyncio.run(run())
-    n = load.check()
-    ev = events(scaled)
-    mine = [d for d in ev["scaling"] if d["time"] >= t0]
-    print(f"{n} requests, all right; decisions: {[(d['role'], d['direction'], d['reason']) for d in mine]}")
+    mine = checked_decisions(asyncio.run(run()), t0)
     assert [(d["role"], d["direction"]) for d in mine] == [("prefill", "up"), ("prefill", "down")]
     assert "prompt tokens" in mine[0]["reason"]
     assert scaled.watch.most("decode", t0) == 1, "the decode pool grew under a prompt-heavy load"
@@ -250,11 +255,7 @@ def test_decode_pool_grows_alone(scaled):
         await load.stop("hot")
         return load
 
-    load = asyncio.run(run())
-    n = load.check()
-    ev = events(scaled)
-    mine = [d for d in ev["scaling"] if d["time"] >= t0]
-    print(f"{n} requests, all right; decisions: {[(d['role'], d['direction'], d['reason']) for d in mine]}")
+    mine = checked_decisions(asyncio.run(run()), t0)
     assert [(d["role"], d["direction"]) for d in mine][:1] == [("decode", "up")] and "sequences decoding" in mine[0]["reason"]
     assert all(d["role"] == "decode" for d in mine)
     assert scaled.watch.most("prefill", t0) == 1, "the prefill pool grew under a decode-heavy load"

@@ -14,7 +14,7 @@ import ray
 
 from cluster.coordinator import RegistrationError
 from cluster.models import ensure_model
-from tests.pd_helpers import PDCluster, colocated, gather, oracle, prompts, run_pair, wait_for
+from tests.pd_helpers import PDCluster, colocated, decode_stream, gather, oracle, prompts, run_pair, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -160,17 +160,8 @@ def test_a_prefill_engine_is_busy_until_its_prefilled_state_is_read(pd):
     params = ray.get(prefill.prefill.remote(prompt, "held-1"))
     held = ray.get(prefill.busy.remote())
     assert len(held["held"]) == 1 and held["prefills"] == 0, held  # the prefill is done, its state is not read yet
-    assert asyncio.run(decode_with(decode, prompt, params)) == oracle(prompt)
+    assert asyncio.run(decode_stream(decode, prompt, params)) == oracle(prompt)
     wait_for(lambda: ray.get(prefill.busy.remote())["held"] == [], 10)
-
-
-async def decode_with(decode, prompt, params, max_tokens: int = 12) -> list[int]:
-    out: list[int] = []
-    stream = decode.decode.options(num_returns="streaming").remote(
-        prompt, {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, params, "held-1-decode")
-    async for ref in stream:
-        out += (await ref)["token_ids"]
-    return out
 
 
 class _LeavesAfterPrefill:
