@@ -25,6 +25,7 @@ import socket
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,39 @@ def _shm_paths(procs: list[psutil.Process]) -> set[str]:
     return paths
 
 
+def _ranked(step: dict[int, Any]) -> list[tuple[int, float]]:
+    """One position's logprobs as (token id, logprob) pairs, best first."""
+    return sorted(((tok, lp.logprob) for tok, lp in step.items()), key=lambda x: -x[1])
+
+
+@dataclass(frozen=True)
+class DecodeError:
+    """A decode request that failed inside the engine (as a channel item): the exception's type name and message."""
+
+    kind: str
+    message: str
+
+
+class _Outbox:
+    """One decode channel's pending outputs; `take` waits for at least one and returns all."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, Any]] = []
+        self.ready = asyncio.Event()
+        self.tasks: set[asyncio.Task] = set()
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list[tuple[str, Any]]:
+        await self.ready.wait()
+        await asyncio.sleep(0)  # let the other requests of this engine step add theirs
+        items, self.items = self.items, []
+        self.ready.clear()
+        return items
+
+
 @ray.remote(num_cpus=0)
 class EngineActor:
     """One vLLM `AsyncLLM` on CPU. Call `start()` once, then `generate()`; `shutdown()` before `ray.kill`."""
@@ -198,6 +232,7 @@ class EngineActor:
         # wall time this engine first served a request: a prefill engine's first prefill done, a decode engine's first
         # tokens out (engine warm-up excluded)
         self.first_served_at: float | None = None
+        self._channels: dict[str, _Outbox] = {}  # open decode channels (one per front end)
         # a private TMPDIR, inherited by vLLM's processes (file stores, IPC sockets) and removed at shutdown;
         # torch.compile's cache stays in the shared default place
         os.environ.setdefault(
@@ -270,10 +305,7 @@ class EngineActor:
             "kv_transfer_params": final.kv_transfer_params,
         }
         if logprobs is not None:
-            result["logprobs"] = [
-                sorted(((tok, lp.logprob) for tok, lp in step.items()), key=lambda x: -x[1])
-                for step in completion.logprobs or []
-            ]
+            result["logprobs"] = [_ranked(step) for step in completion.logprobs or []]
         return result
 
     # ---- prefill/decode ------------------------------------------------------------------------------------------
@@ -341,6 +373,15 @@ class EngineActor:
 
     async def prefill(self, prompt_token_ids: list[int], request_id: str) -> dict[str, Any]:
         """Run the prompt with remote decode requested; returns the transfer parameters for the decode engine."""
+        return (await self.prefill_request(prompt_token_ids, request_id))["kv_transfer_params"]
+
+    async def prefill_request(self, prompt_token_ids: list[int], request_id: str,
+                              prompt_logprobs: int | None = None) -> dict[str, Any]:
+        """Run the prompt with remote decode requested. Returns {"kv_transfer_params": for the decode engine,
+        "prompt_logprobs": vLLM's prompt logprobs when asked for}. Prompt logprobs need the logits of the whole prompt, which neither side of a
+        transfer computes (vLLM's prefill side stops one token short for hybrid models and refuses to when prompt
+        logprobs are asked for, which would break the transfer), so they come from a second, local request over
+        the same prompt run alongside."""
         from vllm import SamplingParams
 
         self._require_engine()
@@ -349,19 +390,33 @@ class EngineActor:
             max_tokens=1, temperature=0.0,
             extra_args={"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
         )
-        final = None
         self._prefills += 1
         self._prefill_tokens += len(prompt_token_ids)
         try:
-            async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
-                final = output
+            runs = [self._last_output(prompt_token_ids, params, request_id)]
+            if prompt_logprobs is not None:
+                scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs)
+                runs.append(self._last_output(prompt_token_ids, scoring, f"{request_id}-prompt-logprobs"))
+            final, *scored = await asyncio.gather(*runs, return_exceptions=True)
         finally:
             self._prefills -= 1
             self._prefill_tokens -= len(prompt_token_ids)
+        if isinstance(final, BaseException):
+            raise final
         if final is None or not final.kv_transfer_params:
             raise RuntimeError(f"prefill of {request_id} returned no transfer parameters")
+        if scored and isinstance(scored[0], BaseException):  # nobody will read the prefilled state: free it now
+            await self.release([final.kv_transfer_params["remote_request_id"]])
+            raise scored[0]
         self.first_served_at = self.first_served_at or time.time()
-        return dict(final.kv_transfer_params)
+        return {"kv_transfer_params": dict(final.kv_transfer_params),
+                "prompt_logprobs": scored[0].prompt_logprobs if scored else None}
+
+    async def _last_output(self, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
+        final = None
+        async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
+            final = output
+        return final
 
     async def decode(self, prompt_token_ids: list[int], sampling: dict[str, Any], kv_transfer_params: dict[str, Any] | None, request_id: str):
         """Stream a request's new tokens: {"token_ids", "text", "finish_reason"} per step. With
@@ -382,11 +437,71 @@ class EngineActor:
                 c = output.outputs[0]
                 item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
                 if c.logprobs:
-                    item["logprobs"] = [sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1]) for step in c.logprobs]
+                    item["logprobs"] = [_ranked(step) for step in c.logprobs]
+                if output.prompt_logprobs:
+                    item["prompt_logprobs"] = [_ranked(step) if step else None for step in output.prompt_logprobs]
                 self.first_served_at = self.first_served_at or time.time()
                 yield item
         finally:
             self._decodes -= 1
+
+    # ---- decode channels: a front end's outputs from this engine, batched --------------------------------------
+    async def decode_channel(self, channel_id: str):
+        """A front end's one stream of decode outputs from this engine (call with num_returns="streaming"): each
+        item is a batch [(request id, vLLM RequestOutput | DecodeError)] of everything produced for that front end's
+        requests since the last item - typically one engine step for all of them, so the cost of a Ray object is
+        paid once per step, not once per token and request. Requests join with `submit_decode`. When the stream
+        ends here (the engine stops, or Ray cancels it), its requests still running are aborted; the front end aborts
+        the requests it gives up on one by one (`abort`)."""
+        self._require_engine()
+        channel = self._channels[channel_id] = _Outbox()
+        try:
+            yield []  # open: requests may be submitted from now on
+            while True:
+                yield await channel.take()
+        finally:
+            if self._channels.get(channel_id) is channel:
+                del self._channels[channel_id]
+            for task in list(channel.tasks):
+                task.cancel()  # their generate() aborts the request in the engine
+
+    async def submit_decode(self, channel_id: str, request_id: str, prompt_token_ids: list[int], params: Any,
+                            kv_transfer_params: dict[str, Any] | None) -> None:
+        """Start one request whose outputs go to channel `channel_id` (opened by `decode_channel`). `params` is a
+        vLLM SamplingParams (its output_kind chooses deltas or one final output). With `kv_transfer_params` the
+        prompt's state is read from the prefill engine they name; without, this engine runs the whole request."""
+        self._require_engine()
+        self._refuse_if_draining()
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            raise RuntimeError(f"decode channel {channel_id} is not open on engine {self.engine_id}")
+        if kv_transfer_params is not None:
+            params = params.clone()
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
+            # the prompt's state is read, not computed here: no prompt logprobs (the prefill engine gives them), and
+            # never a request that skips reading it (vLLM's EngineCore dies on the missing blocks)
+            params.prompt_logprobs = None
+            params.skip_reading_prefix_cache = False
+        self._decodes += 1
+        task = asyncio.get_running_loop().create_task(self._pump(channel, request_id, prompt_token_ids, params))
+        channel.tasks.add(task)
+        task.add_done_callback(self._pump_done)
+
+    def _pump_done(self, task: asyncio.Task) -> None:  # also when cancelled before it ran
+        self._decodes -= 1
+        for channel in self._channels.values():
+            channel.tasks.discard(task)
+
+    async def _pump(self, channel: "_Outbox", request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params,
+                                                     request_id=request_id):
+                self.first_served_at = self.first_served_at or time.time()
+                channel.put((request_id, output))
+        except asyncio.CancelledError:  # the engine is stopping or the channel closed: never a silent end
+            channel.put((request_id, DecodeError("Cancelled", "the decode engine stopped the request")))
+        except Exception as e:  # noqa: BLE001 - the request fails, the engine and channel carry on
+            channel.put((request_id, DecodeError(type(e).__name__, str(e)[:500])))
 
     # ---- load and draining (the pool's autoscaling signal; scale-down) -------------------------------------------
     def _refuse_if_draining(self) -> None:
@@ -531,7 +646,10 @@ def launch_engine_actor(
     Lets a caller start several engines at once; `start_engine_actor` is the one-engine form. `actor_kwargs` go to
     the actor (role, engine_id, served_model, max_model_len, dtype, device). On CUDA hosts pass `num_gpus=tp`: Ray
     then sets the actor's CUDA_VISIBLE_DEVICES, which vLLM's worker processes inherit."""
-    options: dict[str, Any] = {"runtime_env": {"env_vars": engine_env(tp, extra_env)}}
+    env = engine_env(tp, extra_env)
+    if actor_kwargs.get("role") == "prefill":  # a step per request: its readers nap instead of spinning (vllm_plugin)
+        env.setdefault("PD_SHM_SPIN_S", os.environ.get("PD_SHM_SPIN_S", "0.002"))
+    options: dict[str, Any] = {"runtime_env": {"env_vars": env}}
     if num_gpus:
         options["num_gpus"] = num_gpus
     if name is not None:

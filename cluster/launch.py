@@ -6,8 +6,8 @@ Builds the tiny model if the file names a builtin one, joins the Ray cluster (RA
 it) or starts a local one, starts the coordinator and the prefill and decode pools as Ray Serve deployments (one
 replica = one engine; a pool with min_replicas < max_replicas autoscales on its own signal, see cluster/autoscale.py),
 waits for their engines to load and register (progress every 10 s; the coordinator negotiates every pair), starts the
-HTTP ingress, checks it with one completion, prints the URL and a curl line, and serves until Ctrl-C / SIGTERM
-(`ray job stop`), printing scaling decisions and engines joining or leaving; then shuts down the ingress, the pools
+HTTP front end (vLLM's OpenAI server over the cluster), checks it with one completion, prints the URL and a curl line, and serves until Ctrl-C / SIGTERM
+(`ray job stop`), printing scaling decisions and engines joining or leaving; then shuts down the front end, the pools
 (each engine drains first) and the coordinator.
 """
 
@@ -40,6 +40,7 @@ class Cluster:
     timings: dict[str, float] = field(default_factory=dict)
     url: str | None = None
     pool_apps: list[str] = field(default_factory=list)  # Serve applications of the pools ("serve" mode)
+    frontend: Any = None  # the HTTP front end's actor (start_http)
 
     def refresh_engines(self) -> dict[str, Any]:
         """The engines registered with the coordinator now (pools grow and shrink): {engine id: handle}."""
@@ -62,7 +63,7 @@ def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say, *, p
 
     pools="serve" (what `cluster.launch` runs): each pool is a Ray Serve deployment whose replicas own one engine
     each, sized between min_replicas and max_replicas by the pool's autoscaling policy; Serve also replaces a replica
-    whose engine died. Serve's HTTP proxy is started here on `http.host`/`http.port`.
+    whose engine died. Serve runs without its HTTP proxy: the front end (`start_http`) serves HTTP.
     pools="actors": min_replicas engines per pool as plain actors owned by the caller: fixed size, nothing replaces
     a dead engine (tests that kill engines on purpose use it).
     Raises with everything stopped when an engine fails to start or is refused by the coordinator."""
@@ -107,7 +108,7 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
 
     t0 = time.monotonic()
     cluster = _start_coordinator(cfg, progress)
-    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    serve.start(proxy_location="Disabled")  # the pools take no HTTP: the front end (actors.frontend) serves it
     # Serve applications outlive a driver that was killed: pools of an earlier run would keep engines that this
     # run's coordinator does not know
     ours = {pool_app_name(cfg.coordinator.namespace, role) for role in ("prefill", "decode")}
@@ -212,31 +213,54 @@ def _device_options(cfg: DeployConfig, pool) -> dict[str, Any]:
     return {"extra_env": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(pool.kv_cache_gib)))}}
 
 
-def ingress_settings(cluster: Cluster):
-    from actors.ingress import IngressSettings
+def frontend_settings(cluster: Cluster):
+    from actors.frontend import FrontendSettings
 
     cfg = cluster.cfg
-    return IngressSettings(
+    return FrontendSettings(
         model_name=cfg.model.name, model_dir=str(cluster.model_dir), max_model_len=cfg.model.max_model_len,
-        coordinator_name=cfg.coordinator.name, namespace=cfg.coordinator.namespace,
-        api_key=cfg.http.resolved_api_key(), max_body_bytes=cfg.http.max_body_bytes, retry_after_s=cfg.http.retry_after_s,
+        dtype=cfg.model.dtype, coordinator_name=cfg.coordinator.name, namespace=cfg.coordinator.namespace,
+        host=cfg.http.host, port=cfg.http.port, api_key=cfg.http.resolved_api_key(),
+        max_body_bytes=cfg.http.max_body_bytes, retry_after_s=cfg.http.retry_after_s,
     )
 
 
 def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:
-    """Start Ray Serve's proxy on the configured host/port and deploy the ingress; returns the base URL."""
-    from ray import serve
+    """Start the HTTP front end (vLLM's OpenAI server over the cluster, `actors.frontend`) on this node at the
+    configured host/port; returns the base URL."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors.ingress import APP_NAME, ingress_app
+    from actors.frontend import FRONTEND_ACTOR, HTTPFrontend
 
     http = cluster.cfg.http
     t0 = time.monotonic()
-    cluster.url = f"http://{http.host}:{http.port}"  # set first: a stop during serve.run still removes the app
-    serve.start(http_options={"host": http.host, "port": http.port})
-    serve.run(ingress_app(ingress_settings(cluster)), name=APP_NAME, route_prefix="/", blocking=False)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    cluster.frontend = HTTPFrontend.options(name=f"{FRONTEND_ACTOR}-{cluster.cfg.coordinator.name}",
+                                            namespace=cluster.cfg.coordinator.namespace,
+                                            scheduling_strategy=here).remote()
+    try:
+        cluster.url = ray.get(cluster.frontend.start.remote(frontend_settings(cluster)), timeout=300)
+    except BaseException:
+        _stop_frontend(cluster, progress)
+        raise
     cluster.timings["http_s"] = time.monotonic() - t0
-    progress(f"HTTP ingress up in {cluster.timings['http_s']:.0f} s")
+    progress(f"HTTP front end (vLLM's OpenAI server over the cluster) up in {cluster.timings['http_s']:.0f} s: "
+             f"{cluster.url}")
     return cluster.url
+
+
+def _stop_frontend(cluster: Cluster, progress: Callable[[str], None]) -> None:
+    import ray
+
+    if cluster.frontend is None:
+        return
+    try:
+        ray.get(cluster.frontend.stop.remote(), timeout=60)
+    except Exception as e:  # noqa: BLE001 - keep shutting the rest down
+        progress(f"could not stop the HTTP front end cleanly: {e}")
+    ray.kill(cluster.frontend, no_restart=True)
+    cluster.frontend = None
 
 
 def _stop_pools(cluster: Cluster, progress: Callable[[str], None], apps: list[str] | None = None) -> None:
@@ -258,18 +282,13 @@ def _stop_pools(cluster: Cluster, progress: Callable[[str], None], apps: list[st
 
 
 def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Callable[[str], None] = say) -> None:
-    """Remove the ingress, stop the engines (checking no process survives) and the coordinator."""
+    """Stop the HTTP front end, the engines (checking no process survives) and the coordinator."""
     import ray
     from ray import serve
 
     from actors.engine import stop_engine_actors
-    from actors.ingress import APP_NAME
 
-    if cluster.url is not None:
-        try:
-            serve.delete(APP_NAME)
-        except Exception as e:  # noqa: BLE001 - keep shutting the rest down
-            progress(f"could not remove the ingress: {e}")
+    _stop_frontend(cluster, progress)
     progress("stopping engines ...")
     if cluster.pool_apps:
         _stop_pools(cluster, progress)

@@ -15,15 +15,15 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 
 class ServiceMetrics:
-    """One registry per ingress replica. `cluster_state` is set by the caller just before each scrape:
+    """One registry per HTTP front end. `cluster_state` is set by the caller just before each scrape:
     {"pools": {(role, state): count}, "transfers": {"transfers", "bytes", "descriptors", "seconds"}, "retried": n,
     "scaling": the coordinator's `pools()` (decision counts, each pool's latest signal, the last decisions)}."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pd_requests", "Completion requests by outcome (HTTP status)", ["status"], registry=r)
-        self.errors = Counter("pd_request_errors", "Failed requests by error code", ["code"], registry=r)
+        self.requests = Counter("pd_requests", "Generation requests by outcome (HTTP status, or disconnected)",
+                                ["status"], registry=r)
         self.disconnects = Counter("pd_client_disconnects", "Requests whose client went away before the end", registry=r)
         self.prompt_tokens = Counter("pd_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.completion_tokens = Counter("pd_completion_tokens", "Generated tokens", registry=r)

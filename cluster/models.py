@@ -458,6 +458,14 @@ def tokenizer_corpus(lines: int = 4000) -> list[str]:
     return out
 
 
+# A plain-text chat template (role markers are ordinary text to this tokenizer), so that /v1/chat/completions renders
+# messages the way any chat model's template does.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def build_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE):
     """Train a byte-level BPE (any text round-trips) and save it as a `PreTrainedTokenizerFast`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -481,6 +489,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=MAX_POSITIONS
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 

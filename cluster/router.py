@@ -6,7 +6,9 @@
   2. its transfer parameters (block ids per cache group, engine id, token count) go to a decode engine that the
      coordinator has approved for that prefill engine; the decode engine's connector pulls the state with NIXL using
      the negotiated pair plan and decodes;
-  3. tokens stream back. A failure on either side frees the request's blocks on both sides at once (the prefill side's
+  3. tokens stream back over one Ray stream per (front end, decode engine) - `DecodeChannel` - each of whose items
+     carries every output the engine produced for that front end since the last item (typically one engine step for
+     all its requests), so a front end pays for a Ray object per engine step, not per token and request. A failure on either side frees the request's blocks on both sides at once (the prefill side's
      blocks would otherwise wait for vLLM's abort timeout); a request that had not streamed a token yet is retried
      once on a pair without the failed engine, otherwise it ends with a clear error. A dead engine is reported to the
      coordinator, which takes it out of every pair. An engine leaving its pool (scale-down) refuses new requests
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -67,6 +70,7 @@ class Router:
         self._handles: dict[str, Any] = {}
         self._rr = itertools.count()
         self._cleanup: set[asyncio.Task] = set()
+        self._channels: dict[str, DecodeChannel] = {}  # decode engine id -> this front end's output stream from it
         self.retried = 0  # requests retried on another pair after an engine failure
         self.prefill_timeout_s = PREFILL_TIMEOUT_S
 
@@ -100,28 +104,58 @@ class Router:
         pair: tuple[str, str] | None = None,
         retries: int = 1,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Yield the decode engine's incremental outputs: {"token_ids": [...new...], "text": "...new...",
-        "finish_reason": None | "stop" | "length"}. `pair` pins (prefill engine id, decode engine id); it must be a
-        pair the coordinator approved (and is never retried elsewhere). A request that fails before its first token
-        is retried up to `retries` times on a pair without the failed engine; an engine that died is reported to the
-        coordinator, which removes it from every pair at once."""
+        """`stream` with plain values: `sampling` holds vLLM SamplingParams fields; yields the new tokens of each
+        step as {"token_ids": [...], "text": "...", "finish_reason": None | "stop" | "length"}."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(**sampling, output_kind=RequestOutputKind.DELTA)
+        async with contextlib.aclosing(self.stream(prompt_token_ids, params, request_id, pair, retries)) as outs:
+            async for out in outs:
+                c = out.outputs[0]
+                yield {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
+
+    async def stream(
+        self,
+        prompt_token_ids: list[int],
+        params: Any,
+        request_id: str | None = None,
+        pair: tuple[str, str] | None = None,
+        retries: int = 1,
+    ) -> AsyncIterator[Any]:
+        """Yield the decode engine's vLLM RequestOutputs for one request (n = 1): deltas or one final output, as
+        `params.output_kind` says. Prompt logprobs, when asked for, come from the prefill engine (the decode engine
+        never computes the prompt's logits) on the first output. `pair` pins (prefill engine id, decode engine id);
+        it must be a pair the coordinator approved (and is never retried elsewhere). A request that fails before
+        anything reached the caller is retried up to `retries` times on a pair without the failed engine; an engine
+        that died is reported to the coordinator, which removes it from every pair at once."""
         rid = request_id or uuid.uuid4().hex
         avoid: set[str] = set()
         for attempt in range(retries + 1):
-            attempt_id = rid if not attempt else f"{rid}-retry{attempt}"
+            # the engines' request id: unique per attempt whatever the caller's id (a client may reuse its
+            # X-Request-Id; two requests with one id on an engine would share outputs and aborts)
+            attempt_id = f"{rid}-{uuid.uuid4().hex[:8]}" + (f"-retry{attempt}" if attempt else "")
             try:
-                async with contextlib.aclosing(self._generate_once(prompt_token_ids, sampling, attempt_id, pair, avoid)) as outs:
+                async with contextlib.aclosing(self._once(prompt_token_ids, params, attempt_id, pair, avoid)) as outs:
                     async for out in outs:
                         yield out
                 return
             except EngineFailure as e:
-                self._handles.pop(e.engine_id, None)  # ask the coordinator again: it may have left or been replaced
+                self._forget(e.engine_id)  # ask the coordinator again: it may have left or been replaced
                 self._background(self._report_failure(e.engine_id))
                 if e.streamed or pair is not None or attempt == retries:
                     raise
                 log.warning("request %s: %s; retrying on another pair", rid, e)
                 avoid.add(e.engine_id)
                 self.retried += 1
+
+    def _forget(self, engine_id: str) -> None:
+        """Drop what is cached about an engine that failed a request: its handle, and its channel only if that broke
+        (a live channel carries this front end's other requests on the engine)."""
+        self._handles.pop(engine_id, None)
+        channel = self._channels.get(engine_id)
+        if channel is not None and channel.closed:
+            del self._channels[engine_id]
 
     async def _report_failure(self, engine_id: str) -> None:
         """Let the coordinator check the engine now (rather than at its next periodic check)."""
@@ -130,7 +164,19 @@ class Router:
         except Exception as e:  # noqa: BLE001 - the coordinator's own health checks remain
             log.warning("could not report %s to the coordinator: %s", engine_id, e)
 
-    async def _generate_once(self, prompt_token_ids, sampling, rid, pair, avoid: set[str]) -> AsyncIterator[dict[str, Any]]:
+    async def _channel(self, engine_id: str, handle: Any) -> "DecodeChannel":
+        channel = self._channels.get(engine_id)
+        if channel is None or channel.closed:
+            channel = self._channels[engine_id] = DecodeChannel(engine_id, handle)
+        try:
+            await channel.opened()
+        except Exception as e:
+            raise EngineFailure("decode", engine_id, e) from None
+        if channel.closed:
+            raise EngineFailure("decode", engine_id, channel.error)
+        return channel
+
+    async def _once(self, prompt_token_ids, params, rid, pair, avoid: set[str]) -> AsyncIterator[Any]:
         prefills = [p for p in await self._ask("ready", "prefill") if p not in avoid]
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
@@ -144,9 +190,9 @@ class Router:
         prefill, decode = await self._handle(p_id, "prefill"), await self._handle(d_id, "decode")
 
         self.inflight[p_id] += 1
-        ref = prefill.prefill.remote(prompt_token_ids, rid)
+        ref = prefill.prefill_request.remote(prompt_token_ids, rid, params.prompt_logprobs)
         try:
-            params = await asyncio.wait_for(asyncio.shield(_awaitable(ref)), self.prefill_timeout_s)
+            prefilled = await asyncio.wait_for(asyncio.shield(_awaitable(ref)), self.prefill_timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # client gone, or a wedged engine: stop it
             self._background(self._cancel_prefill(prefill, ref))
             if isinstance(e, asyncio.CancelledError):
@@ -156,38 +202,52 @@ class Router:
             raise EngineFailure("prefill", p_id, e) from None
         finally:
             self.inflight[p_id] -= 1
+        kv_params = prefilled["kv_transfer_params"]
 
         self.inflight[d_id] += 1
         finished = streamed = False
+        inbox = None
         try:
-            stream = decode.decode.options(num_returns="streaming").remote(prompt_token_ids, dict(sampling), params, rid)
-            async for ref in stream:
-                out = await ref
-                if out.get("finish_reason") == "error":
+            channel = await self._channel(d_id, decode)
+            inbox = channel.join(rid, delta=_is_delta(params))
+            try:
+                await decode.submit_decode.remote(channel.id, rid, prompt_token_ids, params, kv_params)
+            except Exception as e:
+                raise EngineFailure("decode", d_id, e) from None
+            while not finished:
+                out = await inbox.get()
+                if isinstance(out, BaseException):  # the channel broke: the engine died or left
+                    raise EngineFailure("decode", d_id, out, streamed=streamed)
+                if not hasattr(out, "outputs"):  # a DecodeError: the request failed inside the engine
+                    raise EngineFailure("decode", d_id, f"{out.kind}: {out.message}", streamed=streamed)
+                reason = out.outputs[0].finish_reason if out.outputs else None
+                if reason == "error":
                     # vLLM ends a request whose prompt state could not be read (kv_load_failure_policy "fail"): the
                     # prefill engine left or died after its prefill. A clean failure, retried on another pair.
                     raise EngineFailure("transfer", p_id, f"decode engine {d_id} could not read the prompt's state",
                                         streamed=streamed)
-                if out.get("finish_reason") == "abort":  # the engine stopped under the request: never a short success
+                if reason == "abort":  # the engine stopped under the request: never a short success
                     raise EngineFailure("decode", d_id, "the engine aborted the request (it is shutting down)",
                                         streamed=streamed)
-                finished = out.get("finish_reason") is not None
+                finished = bool(out.finished)
+                if not streamed and prefilled.get("prompt_logprobs") is not None:
+                    out.prompt_logprobs = prefilled["prompt_logprobs"]
                 streamed = True  # whatever reached the caller cannot be taken back: no retry from here on
                 yield out
-            if not finished:  # the engine's stream ended without an end: never a short success
-                raise EngineFailure("decode", d_id, "the stream ended before the request finished", streamed=streamed)
         except EngineFailure:
             raise
         except Exception as e:
             raise EngineFailure("decode", d_id, e, streamed=streamed) from None
         finally:
             self.inflight[d_id] -= 1
+            if inbox is not None:
+                inbox.leave()
             if not finished:  # the consumer went away, or an error: stop the decode side, free the prefill side
                 try:
                     decode.abort.remote(rid)
                 except Exception:  # noqa: BLE001 - the engine may be gone
                     pass
-                self._background(self._release_prefill(prefill, params))
+                self._background(self._release_prefill(prefill, kv_params))
 
     def _background(self, coro) -> None:
         """Run clean-up to completion even though the request's own task is being cancelled."""
@@ -209,10 +269,85 @@ class Router:
 
         ray.cancel(ref)
         try:
-            params = await asyncio.wait_for(ref, 30)
+            prefilled = await asyncio.wait_for(ref, 30)
         except Exception:  # noqa: BLE001 - cancelled (the usual case) or failed: nothing is held
             return
-        await self._release_prefill(prefill, params)
+        await self._release_prefill(prefill, prefilled["kv_transfer_params"])
+
+
+class _Inbox:
+    """One request's outputs as they arrive from its decode channel. Deltas that pile up while the consumer is busy
+    are merged into one output (vLLM's own `RequestOutput.add`), so a slow client costs a merge, not a backlog."""
+
+    def __init__(self, channel: "DecodeChannel", request_id: str, delta: bool):
+        self.channel, self.request_id, self.delta = channel, request_id, delta
+        self.items: collections.deque = collections.deque()
+        self.ready = asyncio.Event()
+
+    def put(self, out: Any) -> None:
+        last = self.items[-1] if self.items else None
+        if self.delta and hasattr(last, "outputs") and hasattr(out, "outputs"):
+            last.add(out, aggregate=True)
+        else:
+            self.items.append(out)
+        self.ready.set()
+
+    async def get(self) -> Any:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.items.popleft()
+
+    def leave(self) -> None:
+        self.channel.inboxes.pop(self.request_id, None)
+
+
+def _is_delta(params: Any) -> bool:
+    from vllm.sampling_params import RequestOutputKind
+
+    return params.output_kind == RequestOutputKind.DELTA
+
+
+class DecodeChannel:
+    """This front end's one stream of outputs from one decode engine (`EngineActor.decode_channel`): each Ray object
+    carries everything the engine produced for our requests since the last one, and a reader task hands each
+    output to its request's inbox. If the stream breaks (the engine died or left), every request on it fails."""
+
+    def __init__(self, engine_id: str, handle: Any):
+        self.engine_id, self.handle = engine_id, handle
+        self.id = f"{engine_id}/{uuid.uuid4().hex[:12]}"
+        self.inboxes: dict[str, _Inbox] = {}
+        self.closed = False
+        self.error: BaseException = RuntimeError(f"the decode stream from {engine_id} ended")
+        self._open = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def opened(self) -> None:
+        await asyncio.shield(self._open)
+
+    def join(self, request_id: str, delta: bool = True) -> _Inbox:
+        inbox = self.inboxes[request_id] = _Inbox(self, request_id, delta)
+        if self.closed:  # broke between opening and now: fail at once rather than wait for nothing
+            inbox.put(self.error)
+        return inbox
+
+    async def _read(self) -> None:
+        try:
+            async for ref in self.handle.decode_channel.options(num_returns="streaming").remote(self.id):
+                batch = await ref
+                if not self._open.done():
+                    self._open.set_result(None)
+                for request_id, out in batch:
+                    inbox = self.inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.put(out)
+        except Exception as e:  # noqa: BLE001 - RayActorError and friends: every request on it fails
+            self.error = e
+        self.closed = True
+        if not self._open.done():
+            self._open.set_exception(self.error)
+        for inbox in list(self.inboxes.values()):
+            inbox.put(self.error)
 
 
 def _cause(e: BaseException) -> str:

@@ -122,17 +122,17 @@ def test_engine_of_another_model_refused(pd, ray_local):
 
 
 def test_failed_decode_frees_prefill_blocks(pd):
-    """A decode-side failure (here: sampling parameters the decode engine rejects) ends the request with a clear
-    error, and the prefill engine's blocks held for it are released at once."""
+    """A decode-side failure (here: sampling parameters the decode engine rejects - more logprobs than it allows)
+    ends the request with a clear error, and the prefill engine's blocks held for it are released at once."""
     from cluster.router import EngineFailure
 
     prefill = pd.engines[("prefill", 1)]
 
     async def bad():
-        async for _ in pd.router.generate(prompts()[1], {"max_tokens": 4, "temperature": -1.0}, pair=("prefill-tp1", "decode-tp1")):
+        async for _ in pd.router.generate(prompts()[1], {"max_tokens": 4, "logprobs": 10**4}, pair=("prefill-tp1", "decode-tp1")):
             pass
 
-    with pytest.raises(EngineFailure, match="decode failed on engine decode-tp1: .*temperature"):
+    with pytest.raises(EngineFailure, match="decode failed on engine decode-tp1: .*logprobs"):
         asyncio.run(bad())
     assert ray.get(prefill.pending_sends.remote()) == []
 
@@ -170,10 +170,10 @@ class _LeavesAfterPrefill:
 
     def __init__(self, handle, engine_id: str, coordinator, departed: list[str]):
         self._h, self._id, self._coordinator, self._departed = handle, engine_id, coordinator, departed
-        self.prefill = SimpleNamespace(remote=self._prefill)
+        self.prefill_request = SimpleNamespace(remote=self._prefill)
 
-    async def _prefill(self, prompt, rid):
-        params = await self._h.prefill.remote(prompt, rid)
+    async def _prefill(self, prompt, rid, prompt_logprobs):
+        params = await self._h.prefill_request.remote(prompt, rid, prompt_logprobs)
         if not self._departed:
             self._departed.append(self._id)
             await self._coordinator.deregister.remote(self._id)

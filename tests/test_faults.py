@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import os
 import signal
+import json
 import threading
 import time
 
@@ -96,7 +97,8 @@ def test_decode_dies_mid_stream(served):
     took = time.monotonic() - t0
     print(f"stream ended {took:.2f} s after {victim} was killed: {rest[-2][:160]}")
     assert took < 30 and rest[-1] == "data: [DONE]"
-    assert '"code":"engine_failure"' in rest[-2] and '"type":"service_unavailable_error"' in rest[-2]
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 503 and "failed in decode" in error["message"], error
     assert ray.get(prefill.pending_sends.remote(5.0)) == []
     removed = wait_for(lambda: victim not in ray.get(served.coordinator.ready.remote("decode")), 15)
     print(f"coordinator removed {victim} within {removed:.2f} s of the stream's end")
@@ -229,6 +231,6 @@ def test_prefill_death_is_a_clear_503(served):
     t0 = time.monotonic()  # the prefill engine was killed by the test before
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=60)
     assert r.status_code == 503 and r.headers.get("retry-after")
-    assert r.json()["error"]["code"] in ("engine_failure", "no_capacity")
+    assert r.json()["error"]["code"] == 503 and r.json()["error"]["message"]
     wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 15)
     print(f"prefill death: 503 after {time.monotonic() - t0:.2f} s, /health 503")

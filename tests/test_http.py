@@ -1,5 +1,7 @@
-"""The OpenAI-style HTTP service on the embedded cluster (prefill TP 1 + decode TP 2, Ray Serve ingress), started by
-the same functions `make run` uses, exercised with the official `openai` client and raw HTTP."""
+"""The HTTP service on the embedded cluster (prefill TP 1 + decode TP 2 as Serve pools, vLLM's OpenAI frontend over
+the cluster), started by the same functions `make run` uses, exercised with the official `openai` client, raw HTTP and
+vLLM's own serving benchmark client. Every generated text is compared with the same request run whole (colocated) on
+the decode engine - vLLM's own engine given the same sampling parameters."""
 
 from __future__ import annotations
 
@@ -53,16 +55,17 @@ def tokenizer(gdn_model):
 
 def colocated(served, prompt_ids: list[int], sampling: dict) -> tuple[list[int], str]:
     """The same request run whole on the decode engine (no transfer): token ids and text."""
+    items = colocated_items(served, prompt_ids, sampling)
+    return [t for i in items for t in i["token_ids"]], "".join(i["text"] for i in items)
+
+
+def colocated_items(served, prompt_ids: list[int], sampling: dict) -> list[dict]:
+    """The colocated run's per-step outputs (token ids, text, finish reason, logprobs when asked for)."""
     decode = served.engines["decode-0"]
 
     async def run():
-        ids, text = [], ""
         stream = decode.decode.options(num_returns="streaming").remote(prompt_ids, dict(sampling), None, f"colo-{time.time_ns()}")
-        async for ref in stream:
-            out = await ref
-            ids += out["token_ids"]
-            text += out["text"]
-        return ids, text
+        return [await ref async for ref in stream]
 
     return asyncio.run(run())
 
@@ -138,59 +141,220 @@ def test_stop_sequence(served, client, tokenizer):
     assert got.text == full[:full.index(stop)]
 
 
+def test_chat_completion_uses_the_chat_template_and_equals_colocated(served, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "where does the state go?"}]
+    ids = httpx.post(f"{served.url}/tokenize", json={"model": MODEL, "messages": messages},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+    _, want = colocated(served, ids, {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True})
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want and want
+    assert got.choices[0].message.role == "assistant" and got.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_logprobs_come_from_the_decode_engine(served, client, tokenizer):
+    prompt = PROMPTS[0]
+    ids = tokenizer(prompt)["input_ids"]
+    items = colocated_items(served, ids, {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 2})
+    want = [step for i in items for step in i["logprobs"]]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(got.tokens) == len(got.token_logprobs) == len(want) == 6
+    for lp, top, ranked in zip(got.token_logprobs, got.top_logprobs, want):
+        assert lp == pytest.approx(ranked[0][1], abs=0.05)  # the chosen (greedy) token: the best one
+        assert len(top) >= 2 and max(top.values()) == pytest.approx(ranked[0][1], abs=0.05)
+
+
+def test_echo_with_prompt_logprobs_from_the_prefill_engine(served, client, tokenizer):
+    prompt = "the prefill engine computes the prompt logprobs"
+    ids = tokenizer(prompt)["input_ids"]
+    items = colocated_items(served, ids, {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+                                          "prompt_logprobs": 1})
+    want = items[0]["prompt_logprobs"]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1,
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert got.text.startswith(prompt)
+    lps = got.logprobs.token_logprobs
+    assert len(lps) == len(ids) + 3 and lps[0] is None and all(lp is not None for lp in lps[1:])
+    for pos in range(1, len(ids)):
+        # the prompt token's own logprob, as the colocated engine scores it (TP 1 prefill vs TP 2: bf16 noise)
+        expected = dict(want[pos])[ids[pos]]
+        assert lps[pos] == pytest.approx(expected, abs=0.1), pos
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert plain.text == got.text
+
+
+def test_n_choices_each_equal_their_seeded_colocated_run(served, client, tokenizer):
+    prompt = "two choices from one request"
+    ids = tokenizer(prompt)["input_ids"]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, n=2, temperature=2.0, seed=77,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1]
+    for i, choice in enumerate(got.choices):  # vLLM's rule: child i samples with seed + i
+        _, want = colocated(served, ids, {"max_tokens": 8, "temperature": 2.0, "seed": 77 + i, "ignore_eos": True})
+        assert choice.text == want
+    assert got.usage.completion_tokens == 16
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, n=2, temperature=2.0, seed=77,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    for i, choice in enumerate(got.choices):
+        assert "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) == choice.text
+
+
+EXTENSIONS = {
+    "top_k=1": {"temperature": 2.0, "seed": 3, "top_k": 1},
+    "min_p": {"temperature": 2.0, "seed": 3, "min_p": 0.5},
+    "repetition_penalty": {"temperature": 2.0, "seed": 3, "repetition_penalty": 1.8},
+    "frequency_penalty": {"temperature": 2.0, "seed": 3, "frequency_penalty": 2.0},
+    "stop_token_ids": {"temperature": 0.0, "stop_token_ids": "<3rd greedy token>"},
+    "min_tokens": {"temperature": 0.0, "min_tokens": 3, "stop_token_ids": "<2nd greedy token>"},
+    "bad_words": {"temperature": 0.0, "bad_words": "<2nd greedy token>"},
+    "include_stop_str_in_output": {"temperature": 0.0, "stop": "<greedy text, 3rd piece>", "include_stop_str_in_output": True},
+}
+
+
+@pytest.mark.parametrize("name", EXTENSIONS)
+def test_sampling_extensions_act_as_in_vllm(served, client, tokenizer, name):
+    """Each vLLM sampling extension gives what the colocated vLLM engine gives with the same parameters, and
+    changes the output the way it should: top_k=1 or min_p=0.5 at temperature 2 is greedy on this sharp model; a
+    penalty moves a seeded temperature-2 sample elsewhere; a banned word moves greedy text off its path; a stop
+    token ends it early, unless min_tokens masks it (then the text goes on past it)."""
+    prompt = PROMPTS[0]
+    ids = tokenizer(prompt)["input_ids"]
+    greedy_ids, greedy = colocated(served, ids, {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True})
+    extra = dict(EXTENSIONS[name])
+    if name == "stop_token_ids":
+        extra["stop_token_ids"] = [greedy_ids[2]]
+    if name == "min_tokens":
+        extra["stop_token_ids"] = [greedy_ids[1]]
+    if name == "bad_words":
+        extra["bad_words"] = [tokenizer.decode([greedy_ids[1]]).strip() or tokenizer.decode([greedy_ids[1]])]
+    if name == "include_stop_str_in_output":
+        extra["stop"] = [tokenizer.decode(greedy_ids[2:4])]
+    stops = "stop" in extra or "stop_token_ids" in extra
+    _, want = colocated(served, ids, {"max_tokens": 10, "ignore_eos": not stops, **extra})
+    got = post(served, {"model": MODEL, "prompt": prompt, "max_tokens": 10, "ignore_eos": not stops, **extra})
+    got = got.json()["choices"][0]["text"]
+    assert got == want
+    if name in ("top_k=1", "min_p"):
+        assert got == greedy
+    elif name == "repetition_penalty":  # (frequency_penalty's +-2 logits do not move this sharp model's sample:
+        plain = {k: v for k, v in extra.items() if not k.endswith("penalty")}  # its check is the equality above)
+        _, unpenalized = colocated(served, ids, {"max_tokens": 10, "ignore_eos": True, **plain})
+        assert got != unpenalized
+    elif name in ("bad_words", "min_tokens"):
+        assert got != greedy and not got.startswith(greedy[:len(tokenizer.decode(greedy_ids[:2]))])
+    elif name in ("stop_token_ids", "include_stop_str_in_output"):  # the stops end it inside the greedy text
+        assert greedy.startswith(got) and len(got) < len(greedy)
+        if name == "include_stop_str_in_output":
+            assert got.endswith(extra["stop"][0])
+
+
+def test_structured_output_and_continuous_usage(served, client):
+    """vLLM's structured output (a choice, guided by its grammar backend on the decode engine) and
+    `stream_options.continuous_usage_stats` (usage on every chunk)."""
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": ["prefill", "decode"]}})
+    assert got.choices[0].text in ("prefill", "decode")
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage]
+    assert counts == sorted(counts) and counts[-1] == 4 and len(counts) >= 2
+
+
+def test_requests_sharing_a_client_request_id_stay_apart(served, tokenizer):
+    """vLLM takes a request's id from the client (X-Request-Id): two requests in flight with the same one must not
+    share engine-side ids (outputs, aborts). Both complete with their own colocated answers."""
+    prompts = [PROMPTS[0], "another prompt with the same request id"]
+    wants = [colocated(served, tokenizer(p)["input_ids"], {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True})[1]
+             for p in prompts]
+
+    async def one(prompt):
+        async with httpx.AsyncClient(timeout=120) as c:
+            r = await c.post(f"{served.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 24,
+                             "temperature": 0, "ignore_eos": True, "stream": True},
+                             headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "same-id"})
+            assert r.status_code == 200
+            return "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                           if line.startswith("data: {"))
+
+    async def both():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(both()) == wants
+
+
+def test_tokenize_detokenize_version(served, tokenizer):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{served.url}/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}, headers=h).json()
+    assert r["tokens"] == tokenizer(PROMPTS[0])["input_ids"] and r["max_model_len"] == 2048
+    d = httpx.post(f"{served.url}/detokenize", json={"model": MODEL, "tokens": r["tokens"]}, headers=h).json()
+    assert PROMPTS[0] in d["prompt"]
+    assert httpx.get(f"{served.url}/version").json()["version"].startswith("0.32")
+
+
 LONG = [1] + [5] * 2100
 
 
 @pytest.mark.parametrize(
-    "body, status, code, param",
+    "body, status",
     [
-        ({"model": MODEL}, 400, "missing_required_parameter", "prompt"),
-        ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "invalid_value", "max_tokens"),
-        ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "context_length_exceeded", "max_tokens"),
-        ({"model": MODEL, "prompt": LONG}, 400, "context_length_exceeded", "prompt"),
-        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "invalid_value", "max_tokens"),
-        ({"model": MODEL, "prompt": {"text": "x"}}, 400, "invalid_type", "prompt"),
-        ({"model": MODEL, "prompt": [1, 10**7]}, 400, "invalid_value", "prompt"),
-        ({"model": MODEL, "prompt": "x", "n": 3}, 400, "invalid_value", "n"),
-        ({"model": MODEL, "prompt": "x", "logprobs": 1}, 400, "unsupported_parameter", "logprobs"),
-        ({"model": "gpt-4", "prompt": "x"}, 404, "model_not_found", "model"),
-        (b'{"model": "tiny-hybrid", "prompt": ', 400, "invalid_json", None),
-        (b"[]", 400, "invalid_type", None),
-        (json.dumps({"model": MODEL, "prompt": "y" * 70000}).encode(), 413, "request_too_large", None),
-        (b"[" * 30000 + b"]" * 30000, 400, "invalid_json", None),
-        (b'{"model": "tiny-hybrid", "prompt": [' + b"1" * 5000 + b"]}", 400, "invalid_json", None),
-        (b'{"model": "tiny-hybrid", "prompt": "a\\ud800b"}', 400, "invalid_value", "prompt"),
+        ({"model": MODEL}, 400),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400),
+        ({"model": MODEL, "prompt": LONG}, 400),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400),
+        ({"model": MODEL, "prompt": {"text": "x"}}, 400),
+        ({"model": MODEL, "prompt": [1, 10**7]}, 400),
+        ({"model": MODEL, "prompt": "x", "logprobs": 10**6}, 400),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400),
+        ({"model": "gpt-4", "prompt": "x"}, 404),
+        (b'{"model": "tiny-hybrid", "prompt": ', 400),
+        (b"[]", 400),
+        (json.dumps({"model": MODEL, "prompt": "y" * 70000}).encode(), 413),
+        (b"[" * 30000 + b"]" * 30000, 400),
+        (b'{"model": "tiny-hybrid", "prompt": [' + b"1" * 5000 + b"]}", 400),
+        (b'{"model": "tiny-hybrid", "prompt": "a\\ud800b"}', 400),
     ],
-    ids=["no-prompt", "negative-max", "huge-max", "long-prompt", "max-type", "prompt-type", "token-range", "n",
-         "logprobs", "unknown-model", "bad-json", "not-object", "oversized", "deep-json", "huge-number", "lone-surrogate"],
+    ids=["no-prompt", "negative-max", "huge-max", "long-prompt", "max-type", "prompt-type", "token-range",
+         "logprobs-range", "temperature", "unknown-model", "bad-json", "not-object", "oversized", "deep-json",
+         "huge-number", "lone-surrogate"],
 )
-def test_errors_are_openai_style(served, body, status, code, param):
+def test_errors_are_openai_style(served, body, status):
     r = post(served, body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert (err["code"], err["param"]) == (code, param) and err["message"] and err["type"]
+    assert err["message"] and err["type"] and "param" in err and err["code"] == status
 
 
 def test_errors_through_the_openai_client(client):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
-    assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
 
 
 def test_routes_and_methods(served):
     r = httpx.get(f"{served.url}/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert r.status_code == 404
     r = httpx.get(f"{served.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
-    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.status_code == 405
+    r = httpx.post(f"{served.url}/v1/responses", json={"model": MODEL, "input": "x"}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404  # vLLM routes the cluster does not serve are not there
 
 
 def test_api_key_required(served):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     for key in (None, "wrong-key", KEY + "x"):
         r = post(served, body, key=key)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.status_code == 401 and r.json()["error"]
     assert httpx.get(f"{served.url}/v1/models").status_code == 401
     assert httpx.get(f"{served.url}/metrics").status_code == 401
     assert httpx.get(f"{served.url}/health").status_code == 200  # liveness stays open
@@ -203,9 +367,11 @@ def test_api_key_required(served):
 def test_no_capacity_is_503_with_retry_after(served):
     ray.get(served.coordinator.set_state.remote("prefill-0", "draining"))
     try:
-        r = post(served, {"model": MODEL, "prompt": "x", "max_tokens": 2})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "no_capacity"
-        assert int(r.headers["retry-after"]) >= 1
+        for stream in (False, True):  # a stream that fails before its first token is a 503 too, not a 200
+            r = post(served, {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": stream})
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
+            assert "no engine can take the request" in r.json()["error"]["message"]
+            assert int(r.headers["retry-after"]) >= 1
         h = httpx.get(f"{served.url}/health")
         assert h.status_code == 503 and h.json()["ready"] == {"prefill": 0, "decode": 1}
     finally:
@@ -221,7 +387,7 @@ def test_client_disconnect_aborts_on_both_engines(served):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))
         assert ray.get(decode.num_unfinished.remote()) == 1  # generating: 1500 tokens would take a minute
-    # the connection is closed: the ingress cancels, the router aborts the decode request and frees the prefill side
+    # the connection is closed: the front end cancels, the router aborts the decode request and frees the prefill side
     took = wait_for(lambda: ray.get(decode.num_unfinished.remote()) == 0, 20)
     print(f"decode request aborted {took:.2f} s after the client disconnected")
     assert ray.get(prefill.num_unfinished.remote()) == 0
@@ -250,19 +416,20 @@ def test_metrics(served, client):
 
 
 def test_fuzzed_requests_never_get_a_server_error(served, tmp_path):
-    """schemathesis generates requests from the service's own OpenAPI document (valid and invalid bodies, headers,
-    methods) and sends them to the running service: no 5xx, every answer matches the schema's error contract."""
+    """schemathesis generates requests from the service's own OpenAPI document (vLLM's request models: valid and
+    invalid bodies, headers, methods) and sends them to the running service: no 5xx."""
     import subprocess
     import sys
     from pathlib import Path
 
     st = Path(sys.executable).parent / "schemathesis"
-    cmd = [str(st), "run", f"{served.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "40",
-           "-H", f"Authorization: Bearer {KEY}", "--generation-deterministic", "--report-dir", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    cmd = [str(st), "run", f"{served.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "25",
+           "-H", f"Authorization: Bearer {KEY}", "--generation-deterministic", "--report-dir", str(tmp_path),
+           "--include-path-regex", "^/(v1/completions|v1/chat/completions|tokenize|detokenize|v1/models|version|health)$"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     print(r.stdout[-1500:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "/v1/completions" in r.stdout
+    assert "/v1/completions" in r.stdout and "/v1/chat/completions" in r.stdout
 
 
 def test_short_load_loses_nothing(served):
@@ -274,3 +441,14 @@ def test_short_load_loses_nothing(served):
     print(f"load: {summary}")
     assert summary["lost_or_malformed"] == 0, summary["first_errors"]
     assert res.ok >= 16 and res.ok == res.requests
+
+
+def test_vllm_bench_client_fails_no_request(served, gdn_model):
+    """vLLM's own serving benchmark client, unmodified (it sends repetition_penalty, stream_options and calls
+    /tokenize), against the cluster: a short version of `python -m cluster bench serve`."""
+    from cluster.bench_serve import run_vllm_bench
+
+    result = run_vllm_bench(served.url, MODEL, str(gdn_model), num_prompts=8, concurrency=2, input_len=128,
+                            output_len=16, api_key=KEY)
+    print({k: result[k] for k in ("completed", "failed", "median_ttft_ms", "median_tpot_ms")})
+    assert result["failed"] == 0 and result["completed"] == 8

@@ -1,4 +1,5 @@
 """How the router ends a request whose decode engine ends it abnormally. Stand-ins for the coordinator and engines
+(speaking the engine actor's calls: prefill_request, decode_channel, submit_decode; outputs are vLLM's own objects)
 (a mock, for faults too slow or racy to cause for real here): an engine stopped under a request (vLLM's finish_reason
 "abort", what a scale-down past its drain timeout does), a state read that failed ("error"), an engine gone between
 the coordinator's answer and the call. Never a short answer reported as a success; a failure before the first token
@@ -22,16 +23,41 @@ def _ready(value):
 
 
 class FakeEngine:
+    """An engine actor's prefill and decode-channel calls: `outputs` are what its decode side produces for any
+    request, one channel item each."""
+
     def __init__(self, outputs: list[dict]):
         self.outputs, self.released, self.aborted = outputs, [], []
-        self.prefill = SimpleNamespace(remote=lambda prompt, rid: _ready({"remote_request_id": rid}))
+        self.channels: dict[str, asyncio.Queue] = {}
+        self.prefill_request = SimpleNamespace(remote=lambda prompt, rid, logprobs: _ready(
+            {"kv_transfer_params": {"remote_request_id": rid}, "prompt_logprobs": None}))
         self.release = SimpleNamespace(remote=lambda ids: _ready(self.released.extend(ids)))
         self.abort = SimpleNamespace(remote=lambda rid: self.aborted.append(rid))
-        self.decode = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=self._stream))
+        self.decode_channel = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=self._channel))
+        self.submit_decode = SimpleNamespace(remote=self._submit)
 
-    async def _stream(self, *args):
-        for out in self.outputs:
-            yield _ready(out)
+    async def _channel(self, channel_id):
+        queue = self.channels[channel_id] = asyncio.Queue()
+        yield _ready([])
+        while True:
+            yield _ready([await queue.get()])
+
+    def _submit(self, channel_id, rid, prompt, params, kv_params):
+        async def produce():  # one output per engine step, a step apart (the caller reads each before the next)
+            for out in self.outputs:
+                self.channels[channel_id].put_nowait((rid, request_output(rid, **out)))
+                await asyncio.sleep(0.02)
+
+        self.producer = asyncio.ensure_future(produce())
+        return _ready(None)
+
+
+def request_output(rid: str, token_ids: list[int], text: str, finish_reason: str | None):
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    c = CompletionOutput(index=0, text=text, token_ids=list(token_ids), cumulative_logprob=None, logprobs=None,
+                         finish_reason=finish_reason)
+    return RequestOutput(rid, None, [1, 2, 3], None, [c], finished=finish_reason is not None)
 
 
 class FakeCoordinator:
