@@ -1,0 +1,51 @@
+"""The vLLM plugin that makes a prefill engine's message-queue readers nap instead of spinning (actors/vllm_plugin.py):
+inert without its environment variable; with it, a reader past its short spin sleeps between checks (CPU time far
+below wall time), where vLLM's own reader spins with sched_yield for a whole second."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import json, os, tempfile, time, zmq
+from actors.vllm_plugin import register
+from vllm.distributed.device_communicators import shm_broadcast
+stock = shm_broadcast.SpinCondition.wait
+register()
+patched = shm_broadcast.SpinCondition.wait is not stock
+ctx = zmq.Context()
+addr = "ipc://" + os.path.join(tempfile.mkdtemp(), "notify")
+writer = shm_broadcast.SpinCondition(False, ctx, addr)
+reader = shm_broadcast.SpinCondition(True, ctx, addr)
+reader.last_read = time.monotonic() - 0.01  # past a 2 ms spin, well inside vLLM's 1 s busy period
+cpu0, wall0 = time.process_time(), time.monotonic()
+for _ in range(300):
+    reader.wait()
+print(json.dumps({"patched": patched, "cpu": time.process_time() - cpu0, "wall": time.monotonic() - wall0}))
+"""
+
+
+def probe(env_value: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PD_SHM_SPIN_S"}
+    if env_value is not None:
+        env["PD_SHM_SPIN_S"] = env_value
+    r = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_inert_without_its_variable():
+    assert probe(None)["patched"] is False
+
+
+def test_a_reader_past_its_spin_naps():
+    got = probe("0.002")
+    assert got["patched"] is True
+    assert got["wall"] >= 300 * 0.0002  # it slept between checks
+    assert got["cpu"] < 0.5 * got["wall"], got  # and did not burn the core meanwhile
