@@ -390,8 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--api-key-env", help="environment variable holding the API key")
     for p in (e, t, c, lo):
         p.add_argument("--out-dir", default="results")
+    from cluster import bench_serve
+
+    sv = sub.add_parser("serve", help="vLLM's own bench client: this cluster vs vLLM's server vs vLLM's stock P/D")
+    bench_serve.add_args(sv)
     args = ap.parse_args(argv)
     out_dir = Path(args.out_dir)
+
+    if args.which == "serve":
+        return bench_serve.main(args)
 
     if args.which == "load":
         return _load_main(args, out_dir)

