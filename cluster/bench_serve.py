@@ -111,12 +111,18 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[int, int]], input_len: int,
-             output_len: int, api_key: str | None = None) -> list[dict[str, Any]]:
+             output_len: int, api_key: str | None = None, timeout_s: float = 1800) -> list[dict[str, Any]]:
     rows = []
     for concurrency, prompts in loads:
         print(f"  {name}: concurrency {concurrency}, {prompts} prompts ...", flush=True)
-        r = run_vllm_bench(url, model, model_dir, num_prompts=prompts, concurrency=concurrency, input_len=input_len,
-                           output_len=output_len, api_key=api_key)
+        try:
+            r = run_vllm_bench(url, model, model_dir, num_prompts=prompts, concurrency=concurrency,
+                               input_len=input_len, output_len=output_len, api_key=api_key, timeout_s=timeout_s)
+        except subprocess.TimeoutExpired:
+            rows.append({"target": name, "concurrency": concurrency, "completed": 0, "failed": f"timed out after "
+                         f"{timeout_s:.0f} s", **{k: None for k in METRICS}})
+            print("   " + json.dumps(rows[-1]), flush=True)
+            continue
         rows.append({"target": name, "concurrency": concurrency, "completed": r["completed"], "failed": r["failed"],
                      **{k: round(float(r[k]), 3) for k in METRICS}})
         print("   " + json.dumps(rows[-1]), flush=True)
@@ -160,7 +166,8 @@ def bench_vllm_server(model_dir: str, d_tp: int, loads, input_len: int, output_l
         _stop(procs)
 
 
-def bench_stock_pd(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int, logs: Path) -> list[dict]:
+def bench_stock_pd(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int, logs: Path,
+                   timeout_s: float = 600) -> list[dict]:
     from actors.engine import free_port
 
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
@@ -175,7 +182,7 @@ def bench_stock_pd(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, 
         _wait_http(f"http://127.0.0.1:{proxy_port}", procs, 60)
         print(f"  stock-pd: prefill TP {p_tp} + decode TP {d_tp} servers up in {took:.0f} s", flush=True)
         return _measure("stock-pd", f"http://127.0.0.1:{proxy_port}", "tiny-hybrid", model_dir, loads, input_len,
-                        output_len)
+                        output_len, timeout_s=timeout_s)
     finally:
         _stop(procs)
 
@@ -192,6 +199,9 @@ def table(rows: list[dict]) -> list[str]:
         b = base.get(r["concurrency"])
         cells = []
         for _, k in cols:
+            if r[k] is None:
+                cells.append("-")
+                continue
             ratio = f" ({r[k] / b[k]:.2f}x)" if b and b[k] and r["target"] != "vllm" else ""
             cells.append(f"{r[k]:.1f}{ratio}")
         lines.append(f"| {r['target']} | {r['concurrency']} | {r['failed']} | " + " | ".join(cells) + " |")
@@ -209,7 +219,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, key, title in zip(axes, ("median_ttft_ms", "median_tpot_ms", "output_throughput"),
                               ("TTFT p50 (ms)", "TPOT p50 (ms)", "output tokens/s")):
         for i, conc in enumerate(sorted({r["concurrency"] for r in rows})):
-            vals = [next((r[key] for r in rows if r["target"] == t and r["concurrency"] == conc), 0) for t in targets]
+            vals = [next((r[key] or 0 for r in rows if r["target"] == t and r["concurrency"] == conc), 0)
+                    for t in targets]
             ax.bar([j + 0.35 * i for j in range(len(targets))], vals, 0.35, label=f"concurrency {conc}")
         ax.set_xticks([j + 0.175 for j in range(len(targets))], targets)
         ax.set(title=title, yscale="log" if key == "median_ttft_ms" else "linear")
@@ -240,7 +251,7 @@ def main(args: Any) -> int:
         rows += bench_vllm_server(model_dir, args.decode_tp, loads, args.input_len, args.output_len, logs)
     if "stock-pd" in targets:
         rows += bench_stock_pd(model_dir, args.prefill_tp, args.decode_tp, stock_loads, args.input_len,
-                               args.output_len, logs)
+                               args.output_len, logs, args.stock_timeout)
     print("\n".join(table(rows)))
     path = out_dir / "bench_serve.json"
     path.write_text(json.dumps({"benchmark": "serve", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": args.model,
@@ -261,6 +272,8 @@ def add_args(p: Any) -> None:
     p.add_argument("--prompts-c8", type=int, default=48, help="prompts at concurrency 8")
     p.add_argument("--stock-prompts-c1", type=int, default=3, help="prompts at concurrency 1 for vLLM's stock P/D")
     p.add_argument("--stock-prompts-c8", type=int, default=8, help="prompts at concurrency 8 for vLLM's stock P/D")
+    p.add_argument("--stock-timeout", type=float, default=600, help="seconds per load level for vLLM's stock P/D "
+                   "(it can stall on 2 cores: its NIXL progress threads spin); a level that runs out is reported")
     p.add_argument("--targets", default="cluster,vllm,stock-pd")
     p.add_argument("--out-dir", default="results")
 
