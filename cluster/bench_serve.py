@@ -89,7 +89,7 @@ def _wait_http(url: str, procs: list[subprocess.Popen], timeout_s: float = 600) 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a server exited while starting (see the logs under results/bench_serve_logs)")
+            raise RuntimeError("a server exited while starting (see the logs under results/bench_serve_logs)")
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
                 return time.monotonic() - t0

@@ -233,7 +233,6 @@ def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:
 
     from actors.frontend import FRONTEND_ACTOR, HTTPFrontend
 
-    http = cluster.cfg.http
     t0 = time.monotonic()
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cluster.frontend = HTTPFrontend.options(name=f"{FRONTEND_ACTOR}-{cluster.cfg.coordinator.name}",
