@@ -378,8 +378,8 @@ class EngineActor:
     async def prefill_request(self, prompt_token_ids: list[int], request_id: str,
                               prompt_logprobs: int | None = None) -> dict[str, Any]:
         """Run the prompt with remote decode requested. Returns {"kv_transfer_params": for the decode engine,
-        "prompt_logprobs": vLLM's prompt logprobs when asked for}. Prompt logprobs need the logits of the whole prompt, which neither side of a
-        transfer computes (vLLM's prefill side stops one token short for hybrid models and refuses to when prompt
+        "prompt_logprobs": vLLM's prompt logprobs when asked for}. Prompt logprobs need the logits of the whole
+        prompt, which neither side of a transfer computes (vLLM's prefill side stops one token short for hybrid models and refuses to when prompt
         logprobs are asked for, which would break the transfer), so they come from a second, local request over
         the same prompt run alongside."""
         from vllm import SamplingParams
@@ -485,12 +485,11 @@ class EngineActor:
         self._decodes += 1
         task = asyncio.get_running_loop().create_task(self._pump(channel, request_id, prompt_token_ids, params))
         channel.tasks.add(task)
+        task.add_done_callback(channel.tasks.discard)
         task.add_done_callback(self._pump_done)
 
-    def _pump_done(self, task: asyncio.Task) -> None:  # also when cancelled before it ran
+    def _pump_done(self, _: asyncio.Task) -> None:  # also when cancelled before it ran
         self._decodes -= 1
-        for channel in self._channels.values():
-            channel.tasks.discard(task)
 
     async def _pump(self, channel: "_Outbox", request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         try:

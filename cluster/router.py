@@ -8,8 +8,9 @@
      the negotiated pair plan and decodes;
   3. tokens stream back over one Ray stream per (front end, decode engine) - `DecodeChannel` - each of whose items
      carries every output the engine produced for that front end since the last item (typically one engine step for
-     all its requests), so a front end pays for a Ray object per engine step, not per token and request. A failure on either side frees the request's blocks on both sides at once (the prefill side's
-     blocks would otherwise wait for vLLM's abort timeout); a request that had not streamed a token yet is retried
+     all its requests), so a front end pays for a Ray object per engine step, not per token and request. A failure
+     on either side frees the request's blocks on both sides at once (the prefill side's blocks would otherwise wait
+     for vLLM's abort timeout); a request that had not streamed a token yet is retried
      once on a pair without the failed engine, otherwise it ends with a clear error. A dead engine is reported to the
      coordinator, which takes it out of every pair. An engine leaving its pool (scale-down) refuses new requests
      while it drains, and one that has left has no handle any more: both are failures before the first token, so a
