@@ -379,9 +379,9 @@ class EngineActor:
                               prompt_logprobs: int | None = None) -> dict[str, Any]:
         """Run the prompt with remote decode requested. Returns {"kv_transfer_params": for the decode engine,
         "prompt_logprobs": vLLM's prompt logprobs when asked for}. Prompt logprobs need the logits of the whole
-        prompt, which neither side of a transfer computes (vLLM's prefill side stops one token short for hybrid models and refuses to when prompt
-        logprobs are asked for, which would break the transfer), so they come from a second, local request over
-        the same prompt run alongside."""
+        prompt, which neither side of a transfer computes (vLLM's prefill side stops one token short for hybrid
+        models and refuses to when prompt logprobs are asked for, which would break the transfer), so they come
+        from a second, local request over the same prompt run alongside."""
         from vllm import SamplingParams
 
         self._require_engine()

@@ -71,7 +71,8 @@ class Router:
         self._handles: dict[str, Any] = {}
         self._rr = itertools.count()
         self._cleanup: set[asyncio.Task] = set()
-        self._channels: dict[str, DecodeChannel] = {}  # decode engine id -> this front end's output stream from it
+        # decode engine id -> this front end's output stream from it (bound to the event loop that opened it)
+        self._channels: dict[str, DecodeChannel] = {}
         self.retried = 0  # requests retried on another pair after an engine failure
         self.prefill_timeout_s = PREFILL_TIMEOUT_S
 
@@ -167,7 +168,9 @@ class Router:
 
     async def _channel(self, engine_id: str, handle: Any) -> "DecodeChannel":
         channel = self._channels.get(engine_id)
-        if channel is None or channel.closed:
+        # a channel opened under another event loop (a caller that runs each batch under its own asyncio.run) has
+        # no reader any more: its outputs would never arrive
+        if channel is None or channel.closed or channel.loop is not asyncio.get_running_loop():
             channel = self._channels[engine_id] = DecodeChannel(engine_id, handle)
         try:
             await channel.opened()
@@ -320,7 +323,8 @@ class DecodeChannel:
         self.inboxes: dict[str, _Inbox] = {}
         self.closed = False
         self.error: BaseException = RuntimeError(f"the decode stream from {engine_id} ended")
-        self._open = asyncio.get_running_loop().create_future()
+        self.loop = asyncio.get_running_loop()
+        self._open = self.loop.create_future()
         self._reader = asyncio.ensure_future(self._read())
 
     async def opened(self) -> None:
