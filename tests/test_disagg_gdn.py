@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 import socket
 from types import SimpleNamespace
 
@@ -42,6 +43,27 @@ def test_every_pair_was_negotiated(pd):
     desc = ray.get(pd.coordinator.describe.remote())
     pairs = {(p["prefill"], p["decode"]): p["tp_ratio"] for p in desc["pairs"]}
     assert pairs == {(f"prefill-tp{p}", f"decode-tp{d}"): (d // p if d >= p else -(p // d)) for p, d in PAIRS}
+
+
+def test_compute_threads_keep_their_cores(pd):
+    """vLLM's NIXL worker pins the thread that builds it - the worker's main thread, its OpenMP master, which runs
+    the model - to the machine's last core; every TP rank then computed on that one core (2-3x the time per token).
+    The connector puts it back: each rank's main thread stays on the first core of its VLLM_CPU_OMP_THREADS_BIND
+    list, so the ranks of a TP 2 engine compute on different cores."""
+    from actors.engine import CPU_BIND
+
+    for (role, tp), engine in pd.engines.items():
+        cores: dict[int, set[int]] = {}
+        for pid in ray.get(engine.pids.remote()):
+            try:
+                title = " ".join(psutil.Process(pid).cmdline())
+                m = re.match(r"VLLM::Worker(?:_TP(\d+))?", title)
+                if m:
+                    cores[int(m.group(1) or 0)] = set(psutil.Process(pid).cpu_affinity())
+            except psutil.NoSuchProcess:
+                continue
+        expected = {rank: {int(re.split(r"[-,]", spec)[0])} for rank, spec in enumerate(CPU_BIND[tp].split("|"))}
+        assert cores == expected, f"{role} TP {tp}: worker main threads on cores {cores}, bound to {expected}"
 
 
 @pytest.mark.parametrize("p_tp, d_tp", PAIRS)
