@@ -17,7 +17,6 @@ from cluster.hf_config import model_shape
 from cluster.layout import LayoutError, layout_from_report
 from cluster.planner import IncompatiblePair
 
-COORDINATOR_NAME = "pd-coordinator"
 HEALTH_INTERVAL_S = float(os.environ.get("PD_HEALTH_INTERVAL_S", "2"))  # how often the coordinator checks engines
 HEALTH_TIMEOUT_S = 10.0
 ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace  # an engine slower than this to answer is busy, not dead
@@ -254,8 +253,3 @@ class CoordinatorActor:
 def engine_actor(engine_id: str, namespace: str) -> Any:
     """The named actor of engine `engine_id` (ValueError once it has gone)."""
     return ray.get_actor(f"{ENGINE_PREFIX}{engine_id}", namespace=namespace)
-
-
-def get_or_create_coordinator(namespace: str | None = None) -> Any:
-    """The cluster's coordinator: the named actor if it exists, else a new one."""
-    return CoordinatorActor.options(name=COORDINATOR_NAME, namespace=namespace, get_if_exists=True).remote()

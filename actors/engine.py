@@ -8,7 +8,8 @@ private TMPDIR that the actor creates. Engines run eagerly by default (no torch.
 
 Typical use:
 
-    handle = start_engine_actor(ensure_model("gdn"), tp=2)
+    handle, started = launch_engine_actor(ensure_model("gdn"), tp=2)
+    ray.get(started)                   # the startup seconds
     out = ray.get(handle.generate.remote(prompt_token_ids=[1, 5, 9], max_tokens=8))
     stop_engine_actor(handle)          # engine shutdown, ray.kill, and a check that every process is gone
 """
@@ -642,7 +643,7 @@ def launch_engine_actor(
     **actor_kwargs: Any,
 ):
     """Create an `EngineActor` and begin its start; returns (handle, ref to the startup seconds).
-    Lets a caller start several engines at once; `start_engine_actor` is the one-engine form. `actor_kwargs` go to
+    Lets a caller start several engines at once. `actor_kwargs` go to
     the actor (role, engine_id, served_model, max_model_len, dtype, device). On CUDA hosts pass `num_gpus=tp`: Ray
     then sets the actor's CUDA_VISIBLE_DEVICES, which vLLM's worker processes inherit."""
     env = engine_env(tp, extra_env)
@@ -659,18 +660,6 @@ def launch_engine_actor(
         str(Path(model_dir).resolve()), tp, kv_transfer_config=kv_transfer_config, engine_kwargs=engine_kwargs, **actor_kwargs
     )
     return handle, handle.start.remote(start_timeout_s)
-
-
-def start_engine_actor(model_dir: str | Path, tp: int = 1, *args: Any, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, **kwargs: Any):
-    """`launch_engine_actor` (same arguments), waiting for the start; returns the handle (the actor is stopped if
-    start fails)."""
-    handle, started = launch_engine_actor(model_dir, tp, *args, start_timeout_s=start_timeout_s, **kwargs)
-    try:
-        ray.get(started, timeout=start_timeout_s + 120)
-    except BaseException:
-        stop_engine_actor(handle)
-        raise
-    return handle
 
 
 def stop_engine_actor(handle, timeout_s: float = 60.0) -> list[str]:

@@ -99,9 +99,6 @@ class PoolReplica:
         if health.get("started") and not health.get("healthy"):
             raise RuntimeError(f"engine {self.engine_id}'s vLLM engine failed")
 
-    def info(self) -> dict[str, Any]:
-        return self.joined
-
     async def __del__(self) -> None:
         self.leaving = True
         engine = getattr(self, "engine", None)

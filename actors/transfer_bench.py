@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 import uuid
 import zlib
-from typing import Any
 
 import numpy as np
 import ray
@@ -137,5 +136,3 @@ class TransferSide:
             best = min(best, time.perf_counter() - t0)
         return best
 
-    def info(self) -> dict[str, Any]:
-        return {"ranks": len(self.agents), "bytes": sum(m.nbytes for regs in self.regions for m in regs)}

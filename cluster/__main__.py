@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from cluster.hf_config import ConfigError, load_config, model_shape, ssm_dtype, torch_dtype
 from cluster.layout import LayoutError, offline_layout

@@ -320,7 +320,6 @@ def test_a_dead_engine_is_replaced(scaled):
     victim = next(e for e, d in engines.items() if d["role"] == "prefill")
     pids = scaled.watch.pids[victim]
     children = [psutil.Process(p) for p in pids[1:] if psutil.pid_exists(p)]
-    t0 = time.monotonic()
     os.kill(pids[0], signal.SIGKILL)
 
     def replaced() -> bool:

@@ -64,7 +64,7 @@ def test_text_prompt_with_logprobs(engines, ray_local):
     assert outs[0]["prompt_token_ids"][0] == 1  # BOS from the tokenizer
     assert outs[0]["text"]
     for step in outs[0]["logprobs"]:
-        (top, top_lp), (_, second_lp) = step[0], step[1]
+        (_, top_lp), (_, second_lp) = step[0], step[1]
         assert top_lp > -0.01 and top_lp - second_lp > 4  # sharp model: a clear winner every step
 
 
