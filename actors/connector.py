@@ -12,6 +12,7 @@ What changes against the stock connector, on the decode side only:
     ranges; they are posted as NIXL READs built from exactly those ranges, one transfer per prefill rank.
 Completion, notifications to the prefill side (which then frees its blocks), expiry and failure handling are the
 stock connector's. The prefill side is the stock worker; its registration is read out with `pd_registration`.
+On both sides the worker's main thread keeps its cores (the stock worker pins it to the last core on CPU hosts).
 """
 
 from __future__ import annotations

@@ -643,9 +643,9 @@ def launch_engine_actor(
     **actor_kwargs: Any,
 ):
     """Create an `EngineActor` and begin its start; returns (handle, ref to the startup seconds).
-    Lets a caller start several engines at once. `actor_kwargs` go to
-    the actor (role, engine_id, served_model, max_model_len, dtype, device). On CUDA hosts pass `num_gpus=tp`: Ray
-    then sets the actor's CUDA_VISIBLE_DEVICES, which vLLM's worker processes inherit."""
+    Lets a caller start several engines at once. `actor_kwargs` go to the actor (role, engine_id, served_model,
+    max_model_len, dtype, device). On CUDA hosts pass `num_gpus=tp`: Ray then sets the actor's CUDA_VISIBLE_DEVICES,
+    which vLLM's worker processes inherit."""
     env = engine_env(tp, extra_env)
     if actor_kwargs.get("role") == "prefill":  # a step per request: its readers nap instead of spinning (vllm_plugin)
         env.setdefault("PD_SHM_SPIN_S", os.environ.get("PD_SHM_SPIN_S", "0.002"))
