@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.coordinator import Coordinator, EngineRecord, RegistrationError
 from cluster.hf_config import model_shape
@@ -19,6 +19,7 @@ from cluster.planner import IncompatiblePair
 
 HEALTH_INTERVAL_S = float(os.environ.get("PD_HEALTH_INTERVAL_S", "2"))  # how often the coordinator checks engines
 HEALTH_TIMEOUT_S = 10.0
+UNAVAILABLE_RECHECKS, UNAVAILABLE_RECHECK_S = 10, 0.25  # an unreachable engine is asked again for up to 2.5 s
 ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace  # an engine slower than this to answer is busy, not dead
 log = logging.getLogger("pd.coordinator")
 
@@ -188,15 +189,24 @@ class CoordinatorActor:
         handle = self.handles.get(engine_id)
         if handle is None:
             return False
-        try:
-            health = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
-            if health.get("healthy") or not health.get("started"):
+        for attempt in range(UNAVAILABLE_RECHECKS + 1):
+            try:
+                health = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
+                if health.get("healthy") or not health.get("started"):
+                    return False
+                why = "unhealthy (its vLLM engine failed)"
+                break
+            except ActorDiedError as e:
+                why = f"dead ({type(e).__name__})"
+                break
+            except ActorUnavailableError:
+                # unreachable: right after a SIGKILL Ray says so until it has confirmed the death - ask again
+                # shortly rather than drop a router's report (the periodic check may be seconds away)
+                if attempt == UNAVAILABLE_RECHECKS or self.handles.get(engine_id) is not handle:
+                    return False
+                await asyncio.sleep(UNAVAILABLE_RECHECK_S)
+            except Exception:  # noqa: BLE001 - slow (a busy engine): not a death
                 return False
-            why = "unhealthy (its vLLM engine failed)"
-        except ActorDiedError as e:
-            why = f"dead ({type(e).__name__})"
-        except Exception:  # noqa: BLE001 - slow, or transiently unreachable (ActorUnavailableError): not a death
-            return False
         if self.handles.get(engine_id) is not handle:  # it left, or re-registered, while we asked
             return False
         log.warning("engine %s is %s: removing it from every pair", engine_id, why)
@@ -227,6 +237,11 @@ class CoordinatorActor:
     async def ready(self, role: str) -> list[str]:
         await self._ready()
         return self.core.ready(role)  # type: ignore[arg-type]
+
+    async def routes(self) -> dict[str, list[str]]:
+        """Ready prefill engine -> approved ready decode engines: a router's one question per request."""
+        await self._ready()
+        return self.core.routes()
 
     async def handle(self, engine_id: str) -> Any:
         """The engine's actor handle, or None once it has left."""

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import getpass
 import json
+import logging
 import os
+import pickle
 import random
 import shutil
 import socket
@@ -32,6 +34,7 @@ from typing import Any
 
 import psutil
 import ray
+import zmq
 
 CPU_BIND = {1: "0-1", 2: "0|1", 4: "0|1|0|1"}  # VLLM_CPU_OMP_THREADS_BIND per TP size on the 2-core machines
 # /dev/shm files an engine's processes create and leak when a worker is killed (SIGTERMed NIXL workers):
@@ -41,6 +44,8 @@ TMPDIR_PREFIX = "hpd-engine-"  # each engine's private TMPDIR (vLLM's vllm_dist_
 DEFAULT_START_TIMEOUT_S = 300.0
 UNREAD_STATS_KEPT = 4096  # per-request transfer records kept until someone reads them (the totals keep counting)
 CONNECTOR_MODULE = "actors.connector"
+SOCKET_BACKLOG = 10_000  # decode-channel messages a front end may leave unread before its channel is ended
+log = logging.getLogger("pd.engine")
 
 
 class EngineDraining(RuntimeError):
@@ -173,6 +178,15 @@ class _Outbox:
         items, self.items = self.items, []
         self.ready.clear()
         return items
+
+
+def _push_socket(address: str) -> "zmq.Socket":
+    """The engine's end of a decode channel's local socket (sends never block: see SOCKET_BACKLOG)."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, SOCKET_BACKLOG)
+    sock.connect(address)
+    return sock
 
 
 @ray.remote(num_cpus=0)
@@ -447,24 +461,39 @@ class EngineActor:
             self._decodes -= 1
 
     # ---- decode channels: a front end's outputs from this engine, batched --------------------------------------
-    async def decode_channel(self, channel_id: str):
+    async def decode_channel(self, channel_id: str, address: str | None = None):
         """A front end's one stream of decode outputs from this engine (call with num_returns="streaming"): each
-        item is a batch [(request id, vLLM RequestOutput | DecodeError)] of everything produced for that front end's
-        requests since the last item - typically one engine step for all of them, so the cost of a Ray object is
-        paid once per step, not once per token and request. Requests join with `submit_decode`. When the stream
-        ends here (the engine stops, or Ray cancels it), its requests still running are aborted; the front end aborts
-        the requests it gives up on one by one (`abort`)."""
+        message is a batch [(request id, vLLM RequestOutput | DecodeError)] of everything produced for that front
+        end's requests since the last one - typically one engine step for all of them, so a message is paid once per
+        step, not once per token and request. With `address` (a ZeroMQ ipc:// address the front end bound on this
+        node) the messages go there, pickled, and the stream yields only its opening item, staying open as the
+        channel's lifeline; without, they are the stream's items. Requests join with `submit_decode`. When the
+        channel ends here (the engine stops, Ray cancels the stream, or the front end stops reading the socket), its
+        requests still running are aborted; the front end aborts the requests it gives up on one by one (`abort`)."""
         self._require_engine()
         channel = self._channels[channel_id] = _Outbox()
+        sock = None
         try:
+            if address is not None:
+                sock = _push_socket(address)
             yield []  # open: requests may be submitted from now on
             while True:
-                yield await channel.take()
+                items = await channel.take()
+                if sock is None:
+                    yield items
+                    continue
+                try:
+                    sock.send(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+                except zmq.Again:  # SOCKET_BACKLOG messages unread: the front end is gone or wedged
+                    log.warning("decode channel %s: the front end stopped reading; ending its requests", channel_id)
+                    return
         finally:
             if self._channels.get(channel_id) is channel:
                 del self._channels[channel_id]
             for task in list(channel.tasks):
                 task.cancel()  # their generate() aborts the request in the engine
+            if sock is not None:
+                sock.close(linger=0)
 
     async def submit_decode(self, channel_id: str, request_id: str, prompt_token_ids: list[int], params: Any,
                             kv_transfer_params: dict[str, Any] | None) -> None:

@@ -164,6 +164,10 @@ class Coordinator:
     def ready(self, role: Role) -> list[str]:
         return [e.engine_id for e in self.engines.values() if e.role == role and e.state == "ready"]
 
+    def routes(self) -> dict[str, list[str]]:
+        """Every ready prefill engine -> the ready decode engines approved for it (what a router picks from)."""
+        return {p: self.decodes_for(p) for p in self.ready("prefill")}
+
     # ---- stats ----
     def record_transfers(self, stats: list[dict[str, Any]]) -> None:
         self.transfers.extend(stats)

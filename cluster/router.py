@@ -6,9 +6,11 @@
   2. its transfer parameters (block ids per cache group, engine id, token count) go to a decode engine that the
      coordinator has approved for that prefill engine; the decode engine's connector pulls the state with NIXL using
      the negotiated pair plan and decodes;
-  3. tokens stream back over one Ray stream per (front end, decode engine) - `DecodeChannel` - each of whose items
-     carries every output the engine produced for that front end since the last item (typically one engine step for
-     all its requests), so a front end pays for a Ray object per engine step, not per token and request. A failure
+  3. tokens stream back over one channel per (front end, decode engine) - `DecodeChannel` - each of whose messages
+     carries every output the engine produced for that front end since the last one (typically one engine step for
+     all its requests). When both run on one node the messages go over a ZeroMQ socket on a Unix path private to
+     the front end (no Ray object per step); the Ray stream of the same channel stays open as its lifeline - it
+     breaks when the engine dies - and carries the messages themselves across nodes. A failure
      on either side frees the request's blocks on both sides at once (the prefill side's blocks would otherwise wait
      for vLLM's abort timeout); a request that had not streamed a token yet is retried
      once on a pair without the failed engine, otherwise it ends with a clear error. A dead engine is reported to the
@@ -20,10 +22,15 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import itertools
 import logging
+import os
+import pickle
+import shutil
+import tempfile
 import uuid
 from collections import Counter
 from typing import Any, AsyncIterator
@@ -62,11 +69,20 @@ def _is_actor_death(e: BaseException) -> bool:
     return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))
 
 
-class Router:
-    """Picks the least-loaded prefill engine, then the least-loaded decode engine approved for it."""
+TRANSPORTS = ("auto", "ray")
 
-    def __init__(self, coordinator: Any):
+
+class Router:
+    """Picks the least-loaded prefill engine, then the least-loaded decode engine approved for it.
+
+    `decode_transport`: "auto" - decode outputs over a local ZeroMQ socket from engines on this node, over the Ray
+    stream from the others; "ray" - always over the Ray stream."""
+
+    def __init__(self, coordinator: Any, decode_transport: str = "auto"):
+        if decode_transport not in TRANSPORTS:
+            raise ValueError(f"decode_transport must be one of {TRANSPORTS}, not {decode_transport!r}")
         self.coordinator = coordinator
+        self.decode_transport = decode_transport
         self.inflight: Counter[str] = Counter()
         self._handles: dict[str, Any] = {}
         self._rr = itertools.count()
@@ -171,7 +187,8 @@ class Router:
         # a channel opened under another event loop (a caller that runs each batch under its own asyncio.run) has
         # no reader any more: its outputs would never arrive
         if channel is None or channel.closed or channel.loop is not asyncio.get_running_loop():
-            channel = self._channels[engine_id] = DecodeChannel(engine_id, handle)
+            local = self.decode_transport == "auto" and await _same_node(handle)
+            channel = self._channels[engine_id] = DecodeChannel(engine_id, handle, _socket_dir() if local else None)
         try:
             await channel.opened()
         except Exception as e:
@@ -181,11 +198,12 @@ class Router:
         return channel
 
     async def _once(self, prompt_token_ids, params, rid, pair, avoid: set[str]) -> AsyncIterator[Any]:
-        prefills = [p for p in await self._ask("ready", "prefill") if p not in avoid]
+        routes = await self._ask("routes")
+        prefills = [p for p in routes if p not in avoid]
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
         p_id = pair[0] if pair else self._pick(prefills)
-        decodes = [d for d in await self._ask("decodes_for", p_id) if d not in avoid] if p_id in prefills else []
+        decodes = [d for d in routes[p_id] if d not in avoid] if p_id in prefills else []
         if pair and pair[1] not in decodes:
             raise NoCapacity(f"pair {pair[0]} -> {pair[1]} is not approved by the coordinator")
         if not decodes:
@@ -313,17 +331,22 @@ def _is_delta(params: Any) -> bool:
 
 
 class DecodeChannel:
-    """This front end's one stream of outputs from one decode engine (`EngineActor.decode_channel`): each Ray object
-    carries everything the engine produced for our requests since the last one, and a reader task hands each
-    output to its request's inbox. If the stream breaks (the engine died or left), every request on it fails."""
+    """This front end's one stream of outputs from one decode engine (`EngineActor.decode_channel`): each message
+    carries everything the engine produced for our requests since the last one, and is handed out to the requests'
+    inboxes. With `socket_dir` (the engine runs on this node) the messages arrive on a ZeroMQ PULL socket bound in
+    that directory and the Ray stream carries only its opening; otherwise they are the Ray stream's items. Either
+    way, when the Ray stream breaks (the engine died or left) every request on the channel fails."""
 
-    def __init__(self, engine_id: str, handle: Any):
+    def __init__(self, engine_id: str, handle: Any, socket_dir: str | None = None):
         self.engine_id, self.handle = engine_id, handle
         self.id = f"{engine_id}/{uuid.uuid4().hex[:12]}"
         self.inboxes: dict[str, _Inbox] = {}
         self.closed = False
         self.error: BaseException = RuntimeError(f"the decode stream from {engine_id} ended")
         self.loop = asyncio.get_running_loop()
+        self.transport = "zmq" if socket_dir is not None else "ray"
+        self.received = {"ray": 0, "zmq": 0}  # messages received by way of each (the stream's opening included)
+        self._path = os.path.join(socket_dir, f"{uuid.uuid4().hex[:16]}.sock") if socket_dir is not None else None
         self._open = self.loop.create_future()
         self._reader = asyncio.ensure_future(self._read())
 
@@ -336,23 +359,91 @@ class DecodeChannel:
             inbox.put(self.error)
         return inbox
 
+    def _deliver(self, batch: list[tuple[str, Any]], via: str) -> None:
+        self.received[via] += 1
+        for request_id, out in batch:
+            inbox = self.inboxes.get(request_id)
+            if inbox is not None:
+                inbox.put(out)
+
     async def _read(self) -> None:
+        sock = pump = None
         try:
-            async for ref in self.handle.decode_channel.options(num_returns="streaming").remote(self.id):
+            address = None
+            if self._path is not None:
+                import zmq
+
+                sock = _zmq_context().socket(zmq.PULL)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(f"ipc://{self._path}")
+                address = f"ipc://{self._path}"
+                pump = asyncio.ensure_future(self._pump(sock))
+            async for ref in self.handle.decode_channel.options(num_returns="streaming").remote(self.id, address):
                 batch = await ref
                 if not self._open.done():
                     self._open.set_result(None)
-                for request_id, out in batch:
-                    inbox = self.inboxes.get(request_id)
-                    if inbox is not None:
-                        inbox.put(out)
+                self._deliver(batch, "ray")
         except Exception as e:  # noqa: BLE001 - RayActorError and friends: every request on it fails
             self.error = e
-        self.closed = True
-        if not self._open.done():
-            self._open.set_exception(self.error)
-        for inbox in list(self.inboxes.values()):
-            inbox.put(self.error)
+        finally:
+            if pump is not None:
+                pump.cancel()
+            if sock is not None:
+                with contextlib.suppress(Exception):  # what the engine sent before its stream ended still counts
+                    import zmq
+
+                    raw = zmq.Socket.shadow(sock.underlying)
+                    while raw.poll(0):
+                        self._deliver(pickle.loads(raw.recv(zmq.NOBLOCK)), "zmq")
+                sock.close(linger=0)
+                with contextlib.suppress(OSError):
+                    os.unlink(self._path)
+            self.closed = True
+            if not self._open.done():
+                self._open.set_exception(self.error)
+            for inbox in list(self.inboxes.values()):
+                inbox.put(self.error)
+
+    async def _pump(self, sock: Any) -> None:
+        """Messages from the local socket (pickled by the engine actor: same user, a private directory). A broken
+        socket or message closes the channel like a broken stream: its requests fail instead of waiting."""
+        try:
+            while True:
+                self._deliver(pickle.loads(await sock.recv()), "zmq")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            self.error = RuntimeError(f"the decode socket from {self.engine_id} broke: {_cause(e)}")
+            self._reader.cancel()
+
+
+_SOCKET_DIR: str | None = None
+
+
+def _socket_dir() -> str:
+    """This process's private directory (0700) for decode-channel sockets, removed at exit."""
+    global _SOCKET_DIR
+    if _SOCKET_DIR is None or not os.path.isdir(_SOCKET_DIR):
+        _SOCKET_DIR = tempfile.mkdtemp(prefix="pd-router-")
+        atexit.register(shutil.rmtree, _SOCKET_DIR, True)
+    return _SOCKET_DIR
+
+
+def _zmq_context() -> Any:
+    import zmq.asyncio
+
+    return zmq.asyncio.Context.instance()
+
+
+async def _same_node(handle: Any) -> bool:
+    """Whether the engine runs on this process's Ray node (False when that cannot be told: then the Ray stream)."""
+    try:
+        import ray
+
+        return await asyncio.wait_for(handle.node_id.remote(), COORDINATOR_TIMEOUT_S) == \
+            ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - an engine without the call, or gone: the Ray stream decides
+        return False
 
 
 def _cause(e: BaseException) -> str:

@@ -78,6 +78,10 @@ def test_departures_and_draining():
         c.register(record("decode", i, 2))
     c.set_state("decode-1", "draining")
     assert c.decodes_for("prefill-0") == ["decode-0"] and c.ready("decode") == ["decode-0"]
+    assert c.routes() == {"prefill-0": ["decode-0"], "prefill-1": ["decode-0"]}
+    c.set_state("prefill-0", "draining")
+    assert c.routes() == {"prefill-1": ["decode-0"]}
+    c.set_state("prefill-0", "ready")
     c.deregister("prefill-1")
     assert all("prefill-1" not in k for k in c.pairs)
     with pytest.raises(KeyError, match="not registered"):

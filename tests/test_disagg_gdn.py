@@ -15,7 +15,7 @@ import ray
 
 from cluster.coordinator import RegistrationError
 from cluster.models import ensure_model
-from tests.pd_helpers import PDCluster, colocated, decode_stream, gather, oracle, prompts, run_pair, wait_for
+from tests.pd_helpers import MAX_TOKENS, PDCluster, colocated, decode_stream, gather, oracle, prompts, run_pair, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -72,6 +72,27 @@ def test_disaggregated_equals_colocated(pd, reference, p_tp, d_tp):
     outs = gather(run_pair(pd.router, f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p) for p in prompts())
     for prompt, out, ref in zip(prompts(), outs, reference):
         assert out == ref, f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}"
+
+
+def test_decode_outputs_take_the_local_socket_and_the_ray_stream_alike(pd, reference):
+    """On one node a router receives decode outputs on a local ZeroMQ socket, and the channel's Ray stream carries
+    only its opening (it stays open as the lifeline that breaks when the engine dies); a router told to use the Ray
+    stream receives them as its items. Same outputs either way. A channel's socket file goes with its event loop."""
+    import os
+
+    import cluster.router as router_module
+    from cluster.router import Router
+
+    by_ray = Router(pd.coordinator, decode_transport="ray")
+    for router in (pd.router, by_ray):
+        outs = gather(run_pair(router, "prefill-tp1", "decode-tp2", p) for p in prompts())
+        assert outs == reference, f"decode transport {router.decode_transport}"
+    local, remote = pd.router._channels["decode-tp2"], by_ray._channels["decode-tp2"]
+    assert local.transport == "zmq" and local.received["ray"] == 1 and local.received["zmq"] >= MAX_TOKENS
+    assert remote.transport == "ray" and remote.received["zmq"] == 0 and remote.received["ray"] > MAX_TOKENS
+    assert local.closed and not [f for f in os.listdir(router_module._socket_dir()) if f.endswith(".sock")]
+    with pytest.raises(ValueError, match="decode_transport"):
+        Router(pd.coordinator, decode_transport="tcp")
 
 
 def test_transfer_statistics(pd, reference):

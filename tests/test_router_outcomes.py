@@ -36,7 +36,8 @@ class FakeEngine:
         self.decode_channel = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=self._channel))
         self.submit_decode = SimpleNamespace(remote=self._submit)
 
-    async def _channel(self, channel_id):
+    async def _channel(self, channel_id, address=None):
+        assert address is None, "no node id: the router uses the Ray stream"
         queue = self.channels[channel_id] = asyncio.Queue()
         yield _ready([])
         while True:
@@ -64,7 +65,8 @@ class FakeCoordinator:
     def __init__(self, engines: dict[str, FakeEngine | None], pairs: list[tuple[str, str]]):
         self.engines, self.pairs, self.reported = engines, pairs, []
         self.ready = SimpleNamespace(remote=lambda role: _ready(sorted({p if role == "prefill" else d for p, d in self.pairs})))
-        self.decodes_for = SimpleNamespace(remote=lambda p: _ready([d for q, d in self.pairs if q == p]))
+        self.routes = SimpleNamespace(remote=lambda: _ready(
+            {p: [d for q, d in self.pairs if q == p] for p in sorted({p for p, _ in self.pairs})}))
         self.handle = SimpleNamespace(remote=lambda e: _ready(self.engines.get(e)))
         self.engine_failed = SimpleNamespace(remote=lambda e: _ready(self.reported.append(e)))
 
