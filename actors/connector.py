@@ -103,25 +103,54 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         """Take the negotiated plan for one prefill engine; returns the remote ranks this rank will read from."""
         data = json.loads(payload)
         pair = pair_from_dict(data["pair"])
-        if pair.decode.tp != self.world_size:
-            raise ValueError(f"pair plan is for decode TP {pair.decode.tp}, this engine runs TP {self.world_size}")
+        self._pd_check_own_layout(pair)
         ranks = data["prefill_ranks"]
         for r in ranks:
             r["agent_metadata"] = bytes.fromhex(r["agent_metadata"])
         self._pd_pairs[prefill_engine_id] = pair
         self._pd_remote[prefill_engine_id] = ranks
-        # a re-negotiated pair must handshake again with its new plan
-        self._remote_agents.pop(prefill_engine_id, None)
+        self._pd_drop_agents(prefill_engine_id)  # a re-negotiated pair must handshake again with its new plan
         return list(pair.remote_ranks(self.tp_rank))
 
     def pd_remove_pair(self, prefill_engine_id: str) -> None:
         self._pd_pairs.pop(prefill_engine_id, None)
         self._pd_remote.pop(prefill_engine_id, None)
+        self._pd_drop_agents(prefill_engine_id)
+
+    def pd_remote_agents(self, prefill_engine_id: str) -> dict[str, bool]:
+        """The NIXL agents of a prefill engine that this rank has loaded: agent name -> whether NIXL still holds
+        its metadata (None of them once the pair is removed or re-negotiated, until the next read handshakes)."""
+        return {name: self.nixl_wrapper.check_remote_metadata(name)
+                for name in self._remote_agents.get(prefill_engine_id, {}).values()}
+
+    def pd_nixl_knows(self, agent_names: list[str]) -> list[bool]:
+        """Whether NIXL still holds each named remote agent's metadata (a dropped agent must be gone from NIXL)."""
+        return [self.nixl_wrapper.check_remote_metadata(name) for name in agent_names]
+
+    def _pd_drop_agents(self, prefill_engine_id: str) -> None:
+        """Forget a prefill engine's NIXL agents: out of vLLM's table and out of NIXL (each would leak otherwise)."""
         for name in self._remote_agents.pop(prefill_engine_id, {}).values():
             try:
                 self.nixl_wrapper.remove_remote_agent(name)
-            except Exception:  # already gone
+            except Exception:  # noqa: BLE001 - already gone
                 pass
+
+    def _pd_check_own_layout(self, pair: PairPlan) -> None:
+        """A plan's decode side must be this engine's layout as it runs: reads computed for another layout would
+        land in other requests' blocks. Refused with the field that differs."""
+        mine = report_from_vllm(self.vllm_config, self.kv_cache_config, kernel_block_size=self.block_size)
+        d = pair.decode
+        for name, planned, actual in (
+            ("tp", d.tp, self.world_size),
+            ("dtype", d.dtype, mine["dtype"]),
+            ("ssm_dtype", d.ssm_dtype, mine["ssm_dtype"]),
+            ("block_size", d.block_size, mine["block_size"]),
+            ("kernel_block_size", d.kernel_block_size, mine["kernel_block_size"]),
+            ("page_bytes", d.page_bytes, mine["page_bytes"]),
+            ("groups", [(g.kind, list(g.layers)) for g in d.groups], [(g["kind"], g["layers"]) for g in mine["groups"]]),
+        ):
+            if planned != actual:
+                raise ValueError(f"pair plan's decode.{name} is {planned!r}, this engine runs {actual!r}")
 
     def pd_stats(self) -> list[dict[str, Any]]:
         done, self._pd_done = self._pd_done, []
@@ -181,36 +210,28 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         pair = self._pd_pairs[engine_id]
         self._recving_transfers.setdefault(req_id, [])
         t0 = time.perf_counter()
+        # Everything below runs inside vLLM's engine step, which does not guard it: an exception here would end the
+        # EngineCore. Any failure fails this one request instead (vLLM's kv_load_failure_policy then ends it).
         try:
             plan = self._plan(pair, meta)
-        except Exception as e:
+            plan_us = (time.perf_counter() - t0) * 1e6
+            rows_by_rank = self._pd_rows(engine_id, pair, plan)
+        except Exception as e:  # noqa: BLE001
             self._log_failure(failure_type="transfer_setup_failed", req_id=req_id, msg="planning failed", error=e, dst_engine_id=engine_id)
             self._handle_failed_transfer(req_id, None, self._recv_failures)
             return
-        plan_us = (time.perf_counter() - t0) * 1e6
         consumers = pair.consumers()
         remote = self._pd_remote[engine_id]
-        local_bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
-        rows_by_rank: dict[int, list[np.ndarray]] = {}
-        for rr in plan.reads[self.tp_rank]:
-            for region in rr.regions:
-                for r in np.unique(rr.rows[:, 0]):
-                    sel = rr.rows[rr.rows[:, 0] == r]
-                    rows_by_rank.setdefault(int(r), []).append(
-                        np.stack([sel[:, 1] + remote[int(r)]["region_bases"][region], sel[:, 2] + local_bases[region], sel[:, 3]], axis=1)
-                    )
         n_desc = n_bytes = 0
         for r in pair.notify_ranks(self.tp_rank):
-            agent = self._remote_agents[engine_id][(0, r)]
-            notif = f"{meta.remote.request_id}:{consumers[r]}".encode()
-            if r not in rows_by_rank:
-                self.nixl_wrapper.send_notif(agent, notif_msg=notif)
-                continue
-            rows = np.concatenate(rows_by_rank[r]).astype(np.uint64)
-            n_desc += len(rows)
-            n_bytes += int(rows[:, 2].sum())
             handle = None
             try:
+                agent = self._remote_agents[engine_id][(0, r)]
+                notif = f"{meta.remote.request_id}:{consumers[r]}".encode()
+                if r not in rows_by_rank:
+                    self.nixl_wrapper.send_notif(agent, notif_msg=notif)
+                    continue
+                rows = rows_by_rank[r]
                 local = self.nixl_wrapper.get_xfer_descs(
                     np.stack([rows[:, 1], rows[:, 2], np.full(len(rows), self.device_id, np.uint64)], axis=1), self.nixl_memory_type
                 )
@@ -221,7 +242,9 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                 handle = self.nixl_wrapper.initialize_xfer("READ", local, remote_descs, agent, notif_msg=notif)
                 self.nixl_wrapper.transfer(handle)
                 self._recving_transfers[req_id].append(handle)
-            except Exception as e:
+                n_desc += len(rows)
+                n_bytes += int(rows[:, 2].sum())
+            except Exception as e:  # noqa: BLE001
                 self._log_failure(failure_type="transfer_setup_failed", req_id=req_id, error=e, dst_engine_id=engine_id, remote_rank=r)
                 if not self._handle_failed_transfer(req_id, handle, self._recv_failures) and handle is not None:
                     self._recving_transfers[req_id].append(handle)
@@ -239,6 +262,25 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             "plan_us": round(plan_us, 1),
             "t0": t0,
         }
+
+    def _pd_rows(self, engine_id: str, pair: PairPlan, plan: RequestPlan) -> dict[int, np.ndarray]:
+        """Per prefill rank, the (remote address, local address, bytes) rows of this rank's reads. Every local range
+        must lie inside its region of this engine's cache (a region: the engine's logical blocks, `page_bytes`
+        each): a range outside it fails the request, never a write."""
+        remote = self._pd_remote[engine_id]
+        local_bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
+        extent = self._logical_num_blocks * pair.decode.page_bytes
+        parts: dict[int, list[np.ndarray]] = {}
+        for rr in plan.reads[self.tp_rank]:
+            for region in rr.regions:
+                if len(rr.rows) and int((rr.rows[:, 2] + rr.rows[:, 3]).max()) > extent:
+                    raise ValueError(f"a read of region {region} ends past its {extent} bytes on decode rank {self.tp_rank}")
+                for r in np.unique(rr.rows[:, 0]):
+                    sel = rr.rows[rr.rows[:, 0] == r]
+                    parts.setdefault(int(r), []).append(
+                        np.stack([sel[:, 1] + remote[int(r)]["region_bases"][region], sel[:, 2] + local_bases[region], sel[:, 3]], axis=1)
+                    )
+        return {r: np.concatenate(p).astype(np.uint64) for r, p in parts.items()}
 
     def _plan(self, pair: PairPlan, meta: Any) -> RequestPlan:
         remote_blocks = [list(g) for g in meta.remote.block_ids]
@@ -283,7 +325,9 @@ class NixlConnector(NixlPullConnector):
 
 class PDWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`) so that the engine actor can reach the connector with
-    `collective_rpc`."""
+    `collective_rpc` (`pd_call`). A method never raises through it: vLLM 0.32's executor reads only the first failed
+    rank's answer and leaves the others' queued, so the next engine step reads a stale failure and the EngineCore
+    dies. Every answer is {"ok": value} or {"error": "Type: message"}; the engine actor raises on an error."""
 
     def _pd_connector(self) -> PlannedPullWorker:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -293,20 +337,16 @@ class PDWorkerExtension:
             raise RuntimeError("this engine was not started with actors.connector.NixlConnector")
         return worker
 
-    def pd_registration(self) -> dict[str, Any]:
-        return self._pd_connector().pd_registration()
+    def pd_call(self, method: str, *args: Any) -> dict[str, Any]:
+        """Run connector method `method` (one of PD_METHODS) on this rank; its value or its error, never a raise."""
+        try:
+            if method not in PD_METHODS:
+                raise ValueError(f"{method!r} is not a connector method the engine actor may call")
+            return {"ok": getattr(self._pd_connector(), method)(*args)}
+        except Exception as e:  # noqa: BLE001 - reported to the engine actor, which raises it there
+            logger.warning("pd_call %s failed on this rank: %s: %s", method, type(e).__name__, e)
+            return {"error": f"{type(e).__name__}: {e}"}
 
-    def pd_install_pair(self, prefill_engine_id: str, payload: str) -> list[int]:
-        return self._pd_connector().pd_install_pair(prefill_engine_id, payload)
 
-    def pd_remove_pair(self, prefill_engine_id: str) -> None:
-        self._pd_connector().pd_remove_pair(prefill_engine_id)
-
-    def pd_stats(self) -> list[dict[str, Any]]:
-        return self._pd_connector().pd_stats()
-
-    def pd_release(self, request_ids: list[str]) -> list[str]:
-        return self._pd_connector().pd_release(request_ids)
-
-    def pd_pending_sends(self) -> list[str]:
-        return self._pd_connector().pd_pending_sends()
+PD_METHODS = frozenset({"pd_registration", "pd_install_pair", "pd_remove_pair", "pd_stats", "pd_release",
+                        "pd_pending_sends", "pd_remote_agents", "pd_nixl_knows"})

@@ -110,9 +110,13 @@ class CoordinatorActor:
             results = await asyncio.gather(*(self.handles[d].install_pairs.remote(plans) for d, plans in by_decode.items()),
                                            return_exceptions=True)
             for d, r in zip(by_decode, results):
-                # a decode engine that left meanwhile (scale-down, death) does not fail this engine's join
-                if isinstance(r, BaseException) and d in self.core.engines and d in self.handles:
-                    raise r
+                # a decode engine that left meanwhile (scale-down, death) does not fail this engine's join, nor does
+                # one that died before anyone noticed: confirmed dead, it is taken out of every pair here
+                if not isinstance(r, BaseException) or d not in self.core.engines or d not in self.handles:
+                    continue
+                if isinstance(r, (ActorDiedError, ActorUnavailableError)) and await self.engine_failed(d):
+                    continue
+                raise r
         except Exception:
             self.core.deregister(rec.engine_id)
             self.handles.pop(rec.engine_id, None)

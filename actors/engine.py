@@ -152,6 +152,10 @@ def _ranked(step: dict[int, Any]) -> list[tuple[int, float]]:
     return sorted(((tok, lp.logprob) for tok, lp in step.items()), key=lambda x: -x[1])
 
 
+class WorkerCallError(RuntimeError):
+    """A connector method failed on a TP rank of the engine (the message names the method, rank and error)."""
+
+
 @dataclass(frozen=True)
 class DecodeError:
     """A decode request that failed inside the engine (as a channel item): the exception's type name and message."""
@@ -327,10 +331,19 @@ class EngineActor:
     async def registration(self) -> dict[str, Any]:
         """What the coordinator needs: every rank's NIXL agent metadata, region bases and run-time layout."""
         self._require_engine()
-        ranks = await self.engine.collective_rpc("pd_registration")
+        ranks = await self._pd_call("pd_registration")
         hf_config = json.loads((Path(self.model_dir) / "config.json").read_text())
         return {"engine_id": self.engine_id, "role": self.role, "model": self.served_model, "hf_config": hf_config,
                 "ranks": sorted(ranks, key=lambda r: r["tp_rank"]), "draining": self.draining}
+
+    async def _pd_call(self, method: str, *args: Any) -> list[Any]:
+        """A connector method on every TP rank (`PDWorkerExtension.pd_call`); the ranks' values, in rank order, or
+        WorkerCallError naming the first rank that failed."""
+        answers = await self.engine.collective_rpc("pd_call", args=(method, *args))
+        for rank, answer in enumerate(answers):
+            if "error" in answer:
+                raise WorkerCallError(f"{method} failed on TP rank {rank} of engine {self.engine_id}: {answer['error']}")
+        return [answer["ok"] for answer in answers]
 
     async def register(self, coordinator: Any, registration: dict[str, Any] | None = None) -> dict[str, Any]:
         """Register with the coordinator (which pushes negotiated plans to decode engines). `registration` lets a
@@ -340,20 +353,30 @@ class EngineActor:
     async def install_pair(self, prefill_engine_id: str, payload: str) -> list[list[int]]:
         """Give every decode worker the negotiated plan for one prefill engine."""
         self._require_engine()
-        return await self.engine.collective_rpc("pd_install_pair", args=(prefill_engine_id, payload))
+        return await self._pd_call("pd_install_pair", prefill_engine_id, payload)
 
     async def install_pairs(self, plans: list[tuple[str, str]]) -> None:
         """`install_pair` for several prefill engines at once: [(prefill engine id, payload)]."""
         for prefill_engine_id, payload in plans:
             await self.install_pair(prefill_engine_id, payload)
 
+    async def remote_agents(self, prefill_engine_id: str) -> list[dict[str, bool]]:
+        """Per decode rank, the prefill engine's NIXL agents it has loaded (name -> NIXL still holds it)."""
+        self._require_engine()
+        return await self._pd_call("pd_remote_agents", prefill_engine_id)
+
+    async def nixl_knows(self, agent_names: list[str]) -> list[list[bool]]:
+        """Per decode rank, whether NIXL still holds each named remote agent."""
+        self._require_engine()
+        return await self._pd_call("pd_nixl_knows", list(agent_names))
+
     async def remove_pair(self, prefill_engine_id: str) -> None:
         if self.engine is not None:
-            await self.engine.collective_rpc("pd_remove_pair", args=(prefill_engine_id,))
+            await self._pd_call("pd_remove_pair", prefill_engine_id)
 
     async def _collect_stats(self) -> None:
         """Move the workers' new per-request transfer records here, adding them to the running totals."""
-        fresh = [s for rank in await self.engine.collective_rpc("pd_stats") for s in rank]
+        fresh = [s for rank in await self._pd_call("pd_stats") for s in rank]
         self._unread = (self._unread + fresh)[-UNREAD_STATS_KEPT:]
         for s in fresh:
             if not s.get("ok", True):  # a failed read moved nothing useful
@@ -575,7 +598,7 @@ class EngineActor:
     async def release(self, remote_request_ids: list[str]) -> list[str]:
         """Prefill side: free the blocks held for requests no decode engine will read (their decode side failed)."""
         self._require_engine()
-        freed = await self.engine.collective_rpc("pd_release", args=(list(remote_request_ids),))
+        freed = await self._pd_call("pd_release", list(remote_request_ids))
         return sorted({r for rank in freed for r in rank})
 
     async def pending_sends(self, wait_s: float = 5.0) -> list[str]:
@@ -584,7 +607,7 @@ class EngineActor:
         self._require_engine()
         deadline = time.monotonic() + wait_s
         while True:
-            held = sorted({r for rank in await self.engine.collective_rpc("pd_pending_sends") for r in rank})
+            held = sorted({r for rank in await self._pd_call("pd_pending_sends") for r in rank})
             if not held or time.monotonic() >= deadline:
                 return held
             await asyncio.sleep(0.1)

@@ -373,11 +373,17 @@ class DecodeChannel:
             if self._path is not None:
                 import zmq
 
-                sock = _zmq_context().socket(zmq.PULL)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.bind(f"ipc://{self._path}")
-                address = f"ipc://{self._path}"
-                pump = asyncio.ensure_future(self._pump(sock))
+                try:
+                    sock = _zmq_context().socket(zmq.PULL)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.bind(f"ipc://{self._path}")
+                    address = f"ipc://{self._path}"
+                    pump = asyncio.ensure_future(self._pump(sock))
+                except zmq.ZMQError as e:  # e.g. a path too long for a Unix socket: the Ray stream carries it all
+                    log.warning("decode channel %s: no local socket (%s); outputs over the Ray stream", self.id, e)
+                    if sock is not None:
+                        sock.close(linger=0)
+                    sock, self._path, self.transport = None, None, "ray"
             async for ref in self.handle.decode_channel.options(num_returns="streaming").remote(self.id, address):
                 batch = await ref
                 if not self._open.done():

@@ -257,6 +257,63 @@ async def run_router(router, prompt, max_tokens: int = 12) -> list[int]:
     return out
 
 
+def test_a_plan_for_another_decode_layout_is_refused_at_install(pd, reference):
+    """A decode worker takes only a plan computed for the layout it runs: reads planned for another page size, or
+    for another physical_blocks_per_logical (a kernel block half the logical block), would land in other requests'
+    blocks. The refusal names the field; the engine's real pairs keep working."""
+    import json
+
+    payload = ray.get(pd.coordinator.pair_plan.remote("prefill-tp1", "decode-tp2"))
+    decode = pd.engines[("decode", 2)]
+    for field, wrong in (("page_bytes", lambda v: v * 2), ("kernel_block_size", lambda v: v // 2)):
+        data = json.loads(payload)
+        data["pair"]["decode"][field] = wrong(data["pair"]["decode"][field])
+        with pytest.raises(ray.exceptions.RayTaskError, match=rf"decode\.{field} is .*this engine runs"):
+            ray.get(decode.install_pair.remote("prefill-elsewhere", json.dumps(data)))
+    assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
+
+
+def test_a_renegotiated_pair_lets_go_of_its_nixl_agents(pd, reference):
+    """The plan of a pair installed again (a coordinator that restarted re-negotiates every pair) makes the decode
+    workers drop the prefill engine's NIXL agents from NIXL itself, not only from vLLM's table (one leaked agent per
+    re-negotiation before); the next read loads them again."""
+    decode = pd.engines[("decode", 2)]
+    assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()[:1]) == reference[:1]
+    loaded = ray.get(decode.remote_agents.remote("prefill-tp1"))
+    names = sorted({name for rank in loaded for name in rank})
+    assert names and all(held for rank in loaded for held in rank.values()), loaded
+    ray.get(decode.install_pair.remote("prefill-tp1", ray.get(pd.coordinator.pair_plan.remote("prefill-tp1", "decode-tp2"))))
+    assert ray.get(decode.remote_agents.remote("prefill-tp1")) == [{}, {}]
+    assert ray.get(decode.nixl_knows.remote(names)) == [[False] * len(names)] * 2
+    assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
+    assert ray.get(decode.nixl_knows.remote(names)) == [[True] * len(names)] * 2
+
+
+def test_a_read_that_cannot_be_assembled_fails_its_request_not_the_engine(pd, reference):
+    """An exception while the decode worker turns a plan into descriptors (here a plan whose prefill ranks list no
+    region addresses) happens inside vLLM's engine step, which does not guard it: it used to end the EngineCore.
+    It fails that one request (cleanly, with nothing streamed), and the engine serves the next one."""
+    import json
+
+    from cluster.router import EngineFailure
+
+    decode = pd.engines[("decode", 2)]
+    good = ray.get(pd.coordinator.pair_plan.remote("prefill-tp1", "decode-tp2"))
+    broken = json.loads(good)
+    for rank in broken["prefill_ranks"]:
+        rank["region_bases"] = []
+    ray.get(decode.install_pair.remote("prefill-tp1", json.dumps(broken)))
+    try:
+        with pytest.raises(EngineFailure, match="transfer failed") as failed:
+            asyncio.run(run_pair(pd.router, "prefill-tp1", "decode-tp2", prompts()[2]))
+        assert not failed.value.streamed
+        assert ray.get(pd.engines[("prefill", 1)].pending_sends.remote(wait_s=10)) == []
+    finally:
+        ray.get(decode.install_pair.remote("prefill-tp1", good))
+    assert ray.get(decode.health.remote())["healthy"]
+    assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
+
+
 def test_shutdown_leaves_no_engine_processes_or_ports(pd):
     pids, ports = pd.stop()
     assert len(pids) >= 4 * 3 and len(ports) == 4

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from actors.coordinator import ENGINE_PREFIX
-from actors.engine import free_port, launch_engine_actor
+from actors.engine import free_port, launch_engine_actor, stop_engine_actor
 from cluster.config import DeployConfig
 from cluster.launch import start_cluster, start_http, stop_cluster
 from tests.pd_helpers import wait_for
@@ -151,12 +151,41 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     print(f"after killing {victim}: {len(prompts)} requests completed; prefill holds {held} "
           f"{time.monotonic() - t_kill:.2f} s after the kill")
     assert held == []
-    assert victim not in ray.get(served.coordinator.ready.remote("decode"))
+    took = wait_for(lambda: victim not in ray.get(served.coordinator.ready.remote("decode")), 10)
+    print(f"coordinator removed {victim} {time.monotonic() - t_kill:.2f} s after the kill ({took:.2f} s after the requests)")
     removed = ray.get(served.coordinator.removed_engines.remote())
     assert victim in [r["engine_id"] for r in removed]
     assert httpx.get(f"{url}/health").status_code == 200
     assert reap(children) == []
     served.engines.pop(victim)
+    assert_no_leaked_blocks(served)
+
+
+def test_an_engine_joins_while_a_dead_decode_engine_is_still_listed(served, gdn_model):
+    """A decode engine that died a moment ago, before the coordinator noticed, is still registered when a new prefill
+    engine joins, and pushing the new pair's plan to it fails. The join goes on without it - the coordinator confirms
+    the death and takes the dead engine out of every pair - instead of the new engine being refused."""
+    launched = {engine_id: launch_engine_actor(gdn_model, 1, role=engine_id.split("-")[0], engine_id=engine_id,
+                                               served_model=MODEL, name=f"{ENGINE_PREFIX}{engine_id}",
+                                               namespace="pd-test-faults")
+                for engine_id in ("decode-8", "prefill-8")}
+    ray.get([ref for _, ref in launched.values()])
+    (doomed, _), (joining, _) = launched["decode-8"], launched["prefill-8"]
+    ray.get(doomed.register.remote(served.coordinator))
+    served.engines["decode-8"] = doomed
+    children = kill_engine(served, "decode-8")
+    try:
+        ray.get(joining.register.remote(served.coordinator))
+        engines = ray.get(served.coordinator.describe.remote())["engines"]
+        assert engines["prefill-8"]["state"] == "ready" and "decode-8" not in engines
+        assert "decode-8" in [r["engine_id"] for r in ray.get(served.coordinator.removed_engines.remote())]
+        assert ("prefill-8", "decode-9") in {(p["prefill"], p["decode"]) for p in
+                                             ray.get(served.coordinator.describe.remote())["pairs"]}
+    finally:  # the later tests expect prefill-0 as the only prefill engine
+        ray.get(served.coordinator.deregister.remote("prefill-8"))
+        stop_engine_actor(joining)
+    assert reap(children) == []
+    served.engines.pop("decode-8")
     assert_no_leaked_blocks(served)
 
 
