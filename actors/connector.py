@@ -128,8 +128,14 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         return [self.nixl_wrapper.check_remote_metadata(name) for name in agent_names]
 
     def _pd_drop_agents(self, prefill_engine_id: str) -> None:
-        """Forget a prefill engine's NIXL agents: out of vLLM's table and out of NIXL (each would leak otherwise)."""
-        for name in self._remote_agents.pop(prefill_engine_id, {}).values():
+        """Forget a prefill engine's NIXL agents: out of vLLM's table and out of NIXL (each would leak otherwise) -
+        unless reads from it are still in flight, whose handles use them (vLLM's own clean-up waits for those too):
+        then they stay loaded in NIXL, as before this was fixed."""
+        agents = self._remote_agents.pop(prefill_engine_id, {})
+        if prefill_engine_id in self._engines_with_inflight_transfers():
+            logger.warning("reads from %s in flight: its NIXL agents stay loaded", prefill_engine_id)
+            return
+        for name in agents.values():
             try:
                 self.nixl_wrapper.remove_remote_agent(name)
             except Exception:  # noqa: BLE001 - already gone
@@ -207,21 +213,23 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             self._background_nixl_handshake(req_id, engine_id, meta)
             return
         self._engine_last_active[engine_id] = time.perf_counter()
-        pair = self._pd_pairs[engine_id]
         self._recving_transfers.setdefault(req_id, [])
         t0 = time.perf_counter()
         # Everything below runs inside vLLM's engine step, which does not guard it: an exception here would end the
         # EngineCore. Any failure fails this one request instead (vLLM's kv_load_failure_policy then ends it).
         try:
+            pair = self._pd_pairs.get(engine_id)
+            if pair is None:  # the pair was removed while a handshake for it was under way
+                raise RuntimeError(f"no negotiated plan for prefill engine {engine_id!r} (the pair was removed)")
             plan = self._plan(pair, meta)
             plan_us = (time.perf_counter() - t0) * 1e6
             rows_by_rank = self._pd_rows(engine_id, pair, plan)
+            consumers = pair.consumers()
+            remote = self._pd_remote[engine_id]
         except Exception as e:  # noqa: BLE001
             self._log_failure(failure_type="transfer_setup_failed", req_id=req_id, msg="planning failed", error=e, dst_engine_id=engine_id)
             self._handle_failed_transfer(req_id, None, self._recv_failures)
             return
-        consumers = pair.consumers()
-        remote = self._pd_remote[engine_id]
         n_desc = n_bytes = 0
         for r in pair.notify_ranks(self.tp_rank):
             handle = None
@@ -273,8 +281,8 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         parts: dict[int, list[np.ndarray]] = {}
         for rr in plan.reads[self.tp_rank]:
             for region in rr.regions:
-                if len(rr.rows) and int((rr.rows[:, 2] + rr.rows[:, 3]).max()) > extent:
-                    raise ValueError(f"a read of region {region} ends past its {extent} bytes on decode rank {self.tp_rank}")
+                if len(rr.rows) and (int(rr.rows[:, 2].min()) < 0 or int((rr.rows[:, 2] + rr.rows[:, 3]).max()) > extent):
+                    raise ValueError(f"a read of region {region} falls outside its {extent} bytes on decode rank {self.tp_rank}")
                 for r in np.unique(rr.rows[:, 0]):
                     sel = rr.rows[rr.rows[:, 0] == r]
                     parts.setdefault(int(r), []).append(

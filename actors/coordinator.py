@@ -114,7 +114,7 @@ class CoordinatorActor:
                 # one that died before anyone noticed: confirmed dead, it is taken out of every pair here
                 if not isinstance(r, BaseException) or d not in self.core.engines or d not in self.handles:
                     continue
-                if isinstance(r, (ActorDiedError, ActorUnavailableError)) and await self.engine_failed(d):
+                if await self.engine_failed(d) or d not in self.handles:  # dead or unhealthy, or gone meanwhile
                     continue
                 raise r
         except Exception:

@@ -499,6 +499,7 @@ class EngineActor:
         try:
             if address is not None:
                 sock = _push_socket(address)
+                sock.send(pickle.dumps([]), zmq.NOBLOCK)  # hello: the front end opens the channel once it arrives
             yield []  # open: requests may be submitted from now on
             while True:
                 items = await channel.take()

@@ -38,6 +38,7 @@ from typing import Any, AsyncIterator
 log = logging.getLogger("pd.router")
 COORDINATOR_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
+HELLO_TIMEOUT_S = 10.0  # a decode engine must reach a new channel's local socket within this
 
 
 async def _awaitable(ref: Any) -> Any:
@@ -89,6 +90,7 @@ class Router:
         self._cleanup: set[asyncio.Task] = set()
         # decode engine id -> this front end's output stream from it (bound to the event loop that opened it)
         self._channels: dict[str, DecodeChannel] = {}
+        self._unreachable: set[str] = set()  # decode engines that could not reach this front end's local socket
         self.retried = 0  # requests retried on another pair after an engine failure
         self.prefill_timeout_s = PREFILL_TIMEOUT_S
 
@@ -187,13 +189,16 @@ class Router:
         # a channel opened under another event loop (a caller that runs each batch under its own asyncio.run) has
         # no reader any more: its outputs would never arrive
         if channel is None or channel.closed or channel.loop is not asyncio.get_running_loop():
-            local = self.decode_transport == "auto" and await _same_node(handle)
-            channel = self._channels[engine_id] = DecodeChannel(engine_id, handle, _socket_dir() if local else None)
+            # registered before any await: concurrent first requests to an engine share one channel
+            local = self.decode_transport == "auto" and engine_id not in self._unreachable
+            channel = self._channels[engine_id] = DecodeChannel(engine_id, handle, local)
         try:
             await channel.opened()
         except Exception as e:
             raise EngineFailure("decode", engine_id, e) from None
         if channel.closed:
+            if channel.unreachable:  # the engine cannot reach our socket (another /tmp?): the Ray stream from now on
+                self._unreachable.add(engine_id)
             raise EngineFailure("decode", engine_id, channel.error)
         return channel
 
@@ -333,20 +338,23 @@ def _is_delta(params: Any) -> bool:
 class DecodeChannel:
     """This front end's one stream of outputs from one decode engine (`EngineActor.decode_channel`): each message
     carries everything the engine produced for our requests since the last one, and is handed out to the requests'
-    inboxes. With `socket_dir` (the engine runs on this node) the messages arrive on a ZeroMQ PULL socket bound in
-    that directory and the Ray stream carries only its opening; otherwise they are the Ray stream's items. Either
-    way, when the Ray stream breaks (the engine died or left) every request on the channel fails."""
+    inboxes. With `local` and the engine on this node, the messages arrive on a ZeroMQ PULL socket bound in this
+    process's private directory (the engine says hello on it first: an empty batch) and the Ray stream carries only
+    its opening; otherwise they are the Ray stream's items. Either way, when the Ray stream breaks (the engine died
+    or left) every request on the channel fails."""
 
-    def __init__(self, engine_id: str, handle: Any, socket_dir: str | None = None):
+    def __init__(self, engine_id: str, handle: Any, local: bool = False):
         self.engine_id, self.handle = engine_id, handle
         self.id = f"{engine_id}/{uuid.uuid4().hex[:12]}"
         self.inboxes: dict[str, _Inbox] = {}
         self.closed = False
+        self.unreachable = False  # the engine never said hello on the local socket
         self.error: BaseException = RuntimeError(f"the decode stream from {engine_id} ended")
         self.loop = asyncio.get_running_loop()
-        self.transport = "zmq" if socket_dir is not None else "ray"
-        self.received = {"ray": 0, "zmq": 0}  # messages received by way of each (the stream's opening included)
-        self._path = os.path.join(socket_dir, f"{uuid.uuid4().hex[:16]}.sock") if socket_dir is not None else None
+        self.transport = "ray"  # "zmq" once the local socket is bound
+        self.received = {"ray": 0, "zmq": 0}  # messages received by way of each (openings included)
+        self._local = local
+        self._hello = asyncio.Event()
         self._open = self.loop.create_future()
         self._reader = asyncio.ensure_future(self._read())
 
@@ -366,56 +374,92 @@ class DecodeChannel:
             if inbox is not None:
                 inbox.put(out)
 
-    async def _read(self) -> None:
-        sock = pump = None
-        try:
-            address = None
-            if self._path is not None:
-                import zmq
+    def _bind(self) -> tuple[Any, str] | None:
+        """The local PULL socket and its address, or None (then the Ray stream carries everything)."""
+        import zmq
 
-                try:
-                    sock = _zmq_context().socket(zmq.PULL)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.bind(f"ipc://{self._path}")
-                    address = f"ipc://{self._path}"
+        path = os.path.join(_socket_dir(), f"{uuid.uuid4().hex[:16]}.sock")
+        sock = _zmq_context().socket(zmq.PULL)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"ipc://{path}")
+        except zmq.ZMQError as e:  # e.g. a path too long for a Unix socket
+            log.warning("decode channel %s: no local socket (%s); outputs over the Ray stream", self.id, e)
+            sock.close(linger=0)
+            return None
+        self.transport = "zmq"
+        return sock, path
+
+    async def _read(self) -> None:
+        sock = path = pump = stream = None
+        ended = False
+        try:
+            if self._local and await _same_node(self.handle):
+                bound = self._bind()
+                if bound is not None:
+                    sock, path = bound
                     pump = asyncio.ensure_future(self._pump(sock))
-                except zmq.ZMQError as e:  # e.g. a path too long for a Unix socket: the Ray stream carries it all
-                    log.warning("decode channel %s: no local socket (%s); outputs over the Ray stream", self.id, e)
-                    if sock is not None:
-                        sock.close(linger=0)
-                    sock, self._path, self.transport = None, None, "ray"
-            async for ref in self.handle.decode_channel.options(num_returns="streaming").remote(self.id, address):
+            stream = self.handle.decode_channel.options(num_returns="streaming").remote(
+                self.id, f"ipc://{path}" if path else None)
+            async for ref in stream:
                 batch = await ref
                 if not self._open.done():
+                    if sock is not None:  # the engine's hello on the socket: it can reach us
+                        try:
+                            await asyncio.wait_for(self._hello.wait(), HELLO_TIMEOUT_S)
+                        except asyncio.TimeoutError:
+                            self.unreachable = True
+                            raise RuntimeError(f"decode engine {self.engine_id} did not reach this front end's "
+                                               f"socket within {HELLO_TIMEOUT_S:.0f} s") from None
                     self._open.set_result(None)
                 self._deliver(batch, "ray")
+            ended = True
         except Exception as e:  # noqa: BLE001 - RayActorError and friends: every request on it fails
             self.error = e
         finally:
             if pump is not None:
                 pump.cancel()
+            if stream is not None and not ended:  # we stopped reading: end the engine's side of the channel too
+                with contextlib.suppress(Exception):
+                    import ray
+
+                    ray.cancel(stream)
             if sock is not None:
                 with contextlib.suppress(Exception):  # what the engine sent before its stream ended still counts
-                    import zmq
-
-                    raw = zmq.Socket.shadow(sock.underlying)
-                    while raw.poll(0):
-                        self._deliver(pickle.loads(raw.recv(zmq.NOBLOCK)), "zmq")
+                    self._drain(sock)
                 sock.close(linger=0)
                 with contextlib.suppress(OSError):
-                    os.unlink(self._path)
+                    os.unlink(path)
             self.closed = True
             if not self._open.done():
                 self._open.set_exception(self.error)
             for inbox in list(self.inboxes.values()):
                 inbox.put(self.error)
 
+    def _drain(self, sock: Any) -> None:
+        """Hand out every message waiting on the socket (never awaits: a message is never left in a future)."""
+        import zmq
+
+        raw = zmq.Socket.shadow(sock.underlying)
+        while True:
+            try:
+                message = raw.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            batch = pickle.loads(message)
+            if not batch:
+                self._hello.set()
+            self._deliver(batch, "zmq")
+
     async def _pump(self, sock: Any) -> None:
         """Messages from the local socket (pickled by the engine actor: same user, a private directory). A broken
         socket or message closes the channel like a broken stream: its requests fail instead of waiting."""
+        import zmq
+
         try:
             while True:
-                self._deliver(pickle.loads(await sock.recv()), "zmq")
+                await sock.poll(flags=zmq.POLLIN)
+                self._drain(sock)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
