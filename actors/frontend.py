@@ -4,12 +4,12 @@ vLLM's frontend does everything a client sees - its FastAPI app, protocol models
 conversion, logprob and SSE formatting, /tokenize and /detokenize - and calls an `EngineClient` for generation.
 `ClusterEngineClient` is that engine client: each request goes through the router to a prefill engine and a decode
 engine (`cluster.router`), and the decode engine's own vLLM `RequestOutput`s come back (batched per engine step over
-one Ray stream per decode engine) to vLLM's formatting. The project's own code here is only what P/D serving adds:
+one channel per decode engine: a local socket on this node, a Ray stream across nodes) to vLLM's formatting. The project's own code here is only what P/D serving adds:
 `n > 1` fanned out over pairs, prompt logprobs from the prefill engine, router failures as 503s (with Retry-After,
 and before the first byte of a stream), the body limit, `/health` and `/metrics` for the cluster.
 
 `HTTPFrontend` is the Ray actor that runs it with uvicorn on `http.host:http.port` (pinned to the node that started
-it), so that a token crosses one Ray hop - decode engine to front end - on its way to the client.
+it), so that a token crosses one process hop - decode engine to front end - on its way to the client.
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /version, /health,
 /metrics (Prometheus), /openapi.json, /docs. vLLM's other routes (responses, messages, pooling, elastic EP, RL, dev
