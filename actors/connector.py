@@ -280,13 +280,17 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         extent = self._logical_num_blocks * pair.decode.page_bytes
         parts: dict[int, list[np.ndarray]] = {}
         for rr in plan.reads[self.tp_rank]:
+            rows = rr.rows  # the same offsets in every region it lists: checked and split by prefill rank once
+            if not len(rows):
+                continue
+            if int(rows[:, 2].min()) < 0 or int((rows[:, 2] + rows[:, 3]).max()) > extent:
+                raise ValueError(f"a read of regions {list(rr.regions)} falls outside their {extent} bytes on decode "
+                                 f"rank {self.tp_rank}")
+            by_rank = [(int(r), rows[rows[:, 0] == r]) for r in np.unique(rows[:, 0])]
             for region in rr.regions:
-                if len(rr.rows) and (int(rr.rows[:, 2].min()) < 0 or int((rr.rows[:, 2] + rr.rows[:, 3]).max()) > extent):
-                    raise ValueError(f"a read of region {region} falls outside its {extent} bytes on decode rank {self.tp_rank}")
-                for r in np.unique(rr.rows[:, 0]):
-                    sel = rr.rows[rr.rows[:, 0] == r]
-                    parts.setdefault(int(r), []).append(
-                        np.stack([sel[:, 1] + remote[int(r)]["region_bases"][region], sel[:, 2] + local_bases[region], sel[:, 3]], axis=1)
+                for r, sel in by_rank:
+                    parts.setdefault(r, []).append(
+                        np.stack([sel[:, 1] + remote[r]["region_bases"][region], sel[:, 2] + local_bases[region], sel[:, 3]], axis=1)
                     )
         return {r: np.concatenate(p).astype(np.uint64) for r, p in parts.items()}
 
