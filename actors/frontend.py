@@ -378,16 +378,20 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
 
     @app.get("/health")
     async def health():
-        """200 while a prefill and a decode engine are ready; 503 (with Retry-After) otherwise."""
+        """200 "ok" while a prefill/decode pair is ready; 200 "degraded" while only one pool has ready engines (they
+        serve requests whole); 503 (with Retry-After) when no engine can serve."""
         try:
             ready = {role: await asyncio.wait_for(coordinator.ready.remote(role), 5) for role in ("prefill", "decode")}
+            routes = await asyncio.wait_for(coordinator.routes.remote(), 5)
         except Exception as e:  # noqa: BLE001 - coordinator down or slow: unavailable, not an error page
             return JSONResponse({"status": "unavailable", "model": settings.model_name, "error": type(e).__name__},
                                 status_code=503, headers=retry)
-        ok = bool(ready["prefill"] and ready["decode"])
-        body = {"status": "ok" if ok else "unavailable", "model": settings.model_name,
-                "ready": {k: len(v) for k, v in ready.items()}}
-        return body if ok else JSONResponse(body, status_code=503, headers=retry)
+        paired = any(routes.values())
+        status = "ok" if paired else "degraded" if ready["prefill"] or ready["decode"] else "unavailable"
+        body = {"status": status, "model": settings.model_name, "ready": {k: len(v) for k, v in ready.items()}}
+        if status == "degraded":
+            body["serving"] = "prefill engines decode" if ready["prefill"] else "decode engines prefill"
+        return body if status != "unavailable" else JSONResponse(body, status_code=503, headers=retry)
 
     @app.get("/metrics", response_class=Response)
     async def metrics_route(request: Request):
@@ -432,11 +436,12 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, dict[
     for engine_id, got in zip(decode_ids, await asyncio.gather(*(one(d) for d in decode_ids), return_exceptions=True)):
         if isinstance(got, dict):
             seen[engine_id] = got
-    totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0}
+    totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0, "verified": 0, "verify_failures": 0}
     for engine_totals in seen.values():  # counters never go down: engines that left keep their last totals
         for k in totals:
-            totals[k] += engine_totals[k]
-    return {"pools": pools, "transfers": totals, "retried": router.retried, "scaling": desc.get("pools", {})}
+            totals[k] += engine_totals.get(k, 0)
+    return {"pools": pools, "transfers": totals, "retried": router.retried, "scaling": desc.get("pools", {}),
+            "colocated": dict(router.colocated), "degraded": router.degraded, "failed_over": router.failed_over}
 
 
 @ray.remote(num_cpus=0)

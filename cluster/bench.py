@@ -299,7 +299,7 @@ def _plot(name: str, rows: list[dict], path: Path) -> None:
         keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
         ax.bar(keys, [r[k] or 0 for k in keys])
         ax.set(ylabel="ms", title=f"{r['clients']} clients, {r['ok']} requests, {r['output_tokens_per_s']} tok/s, "
-               f"{r['lost_or_malformed']} lost")
+               f"{r['lost']} lost, {r['refused_503']} refused (503)")
     elif name == "scale":
         fig, ax = plt.subplots(figsize=(7, 4.5))
         n = [r["prefill_engines"] for r in rows]
@@ -356,7 +356,7 @@ def _load_main(args: argparse.Namespace, out_dir: Path) -> int:
     summary = {"clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens, **res.summary()}
     print(json.dumps(summary, indent=2))
     write_results("load", [summary], out_dir)
-    return 0 if summary["lost_or_malformed"] == 0 else 1
+    return 0 if summary["lost"] == 0 and summary["malformed"] == 0 else 1
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:

@@ -10,6 +10,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.verify import verify_fraction
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -106,13 +108,32 @@ class CoordinatorConfig(_Strict):
     engine_start_timeout_s: float = Field(600, gt=0, le=7200, description="give up on an engine that takes longer")
 
 
+class TransferConfig(_Strict):
+    verify: float = Field(0.0, description="fail-closed transfers: the fraction of requests whose every byte read by the "
+                          "decode engine is checked against the prefill engine's (CRC-32 per region) before the first "
+                          "token - off, all, or a fraction in between (a deterministic sample by request id)")
+
+    @field_validator("verify", mode="before")
+    @classmethod
+    def _fraction(cls, v: object) -> float:
+        return verify_fraction(v)
+
+
 class DeployConfig(_Strict):
     model: ModelConfig = ModelConfig()
     prefill: PoolConfig = PoolConfig(tp=1)
     decode: PoolConfig = PoolConfig(tp=2)
     coordinator: CoordinatorConfig = CoordinatorConfig()
     http: HttpConfig = HttpConfig()
+    transfer: TransferConfig = TransferConfig()
     device: Literal["cpu", "cuda"] = "cpu"
+
+    @model_validator(mode="after")
+    def _verify_needs_dram(self) -> "DeployConfig":
+        if self.transfer.verify and self.device != "cpu":
+            raise ValueError("transfer.verify: checksums are computed by the CPU over DRAM caches; with device "
+                             f"{self.device!r} set transfer.verify to off")
+        return self
 
 
 class DeployError(ValueError):

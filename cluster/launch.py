@@ -92,7 +92,8 @@ def pool_spec(cluster: Cluster, role: str) -> dict[str, Any]:
     return {
         "role": role, "model_dir": str(cluster.model_dir), "tp": pool.tp, "served_model": cfg.model.name,
         "max_model_len": cfg.model.max_model_len, "dtype": cfg.model.dtype, "device": cfg.device,
-        "start_timeout_s": cfg.coordinator.engine_start_timeout_s, "device_options": _device_options(cfg, pool),
+        "start_timeout_s": cfg.coordinator.engine_start_timeout_s,
+        "device_options": _device_options(cfg, pool, role, cpu_block_size(cfg, cluster.model_dir)),
         "coordinator": cfg.coordinator.name, "namespace": cfg.coordinator.namespace,
         "drain_timeout_s": pool.scaling.drain_timeout_s,
     }
@@ -179,7 +180,8 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
                 handle, ref = launch_engine_actor(
                     cluster.model_dir, pool.tp, role=role, engine_id=engine_id, served_model=cfg.model.name,
                     max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
-                    start_timeout_s=cfg.coordinator.engine_start_timeout_s, **_device_options(cfg, pool),
+                    start_timeout_s=cfg.coordinator.engine_start_timeout_s,
+                    **_device_options(cfg, pool, role, cpu_block_size(cfg, cluster.model_dir)),
                     name=f"{ENGINE_PREFIX}{engine_id}", namespace=cfg.coordinator.namespace,
                 )
                 cluster.engines[engine_id] = handle
@@ -206,11 +208,58 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
     return cluster
 
 
-def _device_options(cfg: DeployConfig, pool) -> dict[str, Any]:
-    """CPU: the KV/state cache size in DRAM. CUDA: one GPU per TP rank and vLLM's share of its memory."""
+def cpu_block_size(cfg: DeployConfig, model_dir: str | Path) -> int | None:
+    """CPU hosts: one logical block size for both pools. vLLM's CPU attention pages are not token-major inside a block,
+    so engines with different block sizes cannot exchange KV (the coordinator refuses such pairs), and vLLM picks the
+    block per TP size (a smaller state page at a larger TP gives a smaller block: gdn-asym gets 384 tokens at TP 1,
+    256 at TP 4). The largest either pool would get, computed for an fp32 recurrent state (vLLM's CPU platform keeps
+    it in fp32 on CPUs with AVX512-BF16, in the model dtype elsewhere), so that it fits on any machine. None on GPUs
+    and for models without both attention and state."""
+    if cfg.device != "cpu":
+        return None
+    from cluster.hf_config import load_config, model_shape
+    from cluster.layout import offline_layout
+
+    shape = model_shape(load_config(model_dir))
+    if shape.attention is None or shape.state is None:
+        return None
+    return max(offline_layout(shape, pool.tp, cfg.model.dtype, "float32").block_size for pool in (cfg.prefill, cfg.decode))
+
+
+def _device_options(cfg: DeployConfig, pool, role: str, block_size: int | None = None) -> dict[str, Any]:
+    """CPU: the KV/state cache size in DRAM, one block size for both pools (`cpu_block_size`), and on decode engines
+    the transfer.verify fraction. CUDA: one GPU per
+    TP rank, vLLM's share of its memory, and the conv-state layout NIXL's hybrid transfers need: vLLM 0.32 keeps
+    conv state (state_len, dim) on CUDA unless VLLM_SSM_CONV_STATE_LAYOUT=DS (its NIXL worker then asserts at start;
+    the CPU platform picks DS by itself)."""
+    from cluster.verify import VERIFY_ENV
+
     if cfg.device == "cuda":
-        return {"num_gpus": pool.tp, "engine_kwargs": {"gpu_memory_utilization": pool.gpu_memory_utilization}}
-    return {"extra_env": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(pool.kv_cache_gib)))}}
+        return {"num_gpus": pool.tp, "engine_kwargs": {"gpu_memory_utilization": pool.gpu_memory_utilization},
+                "extra_env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(pool.kv_cache_gib)))}
+    if role == "decode" and cfg.transfer.verify:
+        env[VERIFY_ENV] = repr(cfg.transfer.verify)
+    options: dict[str, Any] = {"extra_env": env}
+    if block_size is not None:
+        options["engine_kwargs"] = {"block_size": block_size}
+    return options
+
+
+def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) -> dict[str, Any]:
+    """What an engine of pool `role` is started with under `cfg` - its environment, GPUs and vLLM engine arguments -
+    as the pools and `_start_actors` start it (for checks and `plan`-style inspection; starts nothing)."""
+    from actors.engine import launch_env, vllm_engine_args
+
+    pool = getattr(cfg, role)
+    opts = _device_options(cfg, pool, role, cpu_block_size(cfg, model_dir))
+    return {
+        "env": launch_env(pool.tp, opts.get("extra_env"), role),
+        "num_gpus": opts.get("num_gpus", 0),
+        "vllm_args": vllm_engine_args(model_dir, pool.tp, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype,
+                                      engine_kwargs=opts.get("engine_kwargs"), role=role, engine_id=engine_id,
+                                      device=cfg.device),
+    }
 
 
 def frontend_settings(cluster: Cluster):

@@ -158,7 +158,9 @@ class EngineLayout:
       * a state page (GDN/Mamba) holds [conv state | recurrent state | padding]; conv state is DS
         (channels, conv_rows), its sub-projections back to back;
       * an attention kernel page holds, per local KV head, its K rows then its V rows: (heads, 2, kernel_block_size,
-        head_dim) - heads outermost, so a head slice is one contiguous range (HND).
+        head_dim) - heads outermost, so a head slice is one contiguous range (HND). vLLM's CPU attention (CPU_TILED)
+        keeps the heads outermost but not the tokens inside a kernel block: K sits in 32-token tiles and V is stored
+        transposed, so a token's bytes depend on the kernel block size (measured: tests/test_planner_validation.py).
     `block_size` is the logical block size in tokens; attention kernels see `kernel_block_size`-token blocks.
     """
 
@@ -312,6 +314,7 @@ def offline_layout(
     block_size: int | None = None,
     kernel_block_size: int | None = None,
     min_kernel_block: int = 32,
+    kv_layout: str = "HND",
 ) -> EngineLayout:
     """The layout an engine of this model would get at this TP, computed as vLLM 0.32's hybrid allocator does:
     the attention block size is raised (in multiples of the kernel block base) until an attention page holds a state
@@ -334,7 +337,7 @@ def offline_layout(
     else:
         size, page = requested, state_page
     kernel = kernel_block_size or size
-    return EngineLayout(model, tp, dtype, ssm_dtype, size, kernel, page, default_groups(model))
+    return EngineLayout(model, tp, dtype, ssm_dtype, size, kernel, page, default_groups(model), kv_layout=kv_layout)
 
 
 def fields_differ(a: ModelShape, b: ModelShape) -> list[tuple[str, object, object]]:
@@ -348,7 +351,9 @@ def fields_differ(a: ModelShape, b: ModelShape) -> list[tuple[str, object, objec
 # The run-time source: what a running engine reports
 
 
-KV_LAYOUTS = {"HND": "HND", "LBHNC": "HND", "NHD": "NHD"}  # vLLM's names -> head-major or token-major
+# vLLM's names -> head-major, token-major, or head-major with tiled kernel blocks (vLLM's CPU attention)
+KV_LAYOUTS = {"HND": "HND", "LBHNC": "HND", "NHD": "NHD", "CPU_TILED": "CPU_TILED"}
+HEAD_MAJOR = ("HND", "CPU_TILED")  # a head's slice of a kernel page is one contiguous range
 
 
 def layout_from_report(report: dict, model: ModelShape) -> EngineLayout:

@@ -1,8 +1,17 @@
 """A bounded concurrent load against the HTTP service: `clients` loops of streamed completions for `duration_s`.
 
-Every response is checked: HTTP 200, well-formed SSE chunks, one id, a final `[DONE]`, and (with `ignore_eos`) exactly
-`max_tokens` tokens in `usage`. Reports lost and malformed responses, p50/p99 time to first token and inter-token
-latency, and output tokens per second. `python -m cluster bench load` runs it against a URL.
+Every response is checked and put in one outcome class:
+  complete         HTTP 200, well-formed SSE chunks, one id, a final `[DONE]`, and (with `ignore_eos`) exactly
+                   `max_tokens` tokens in `usage`;
+  refused_4xx      a 4xx answer (the request was bad, or unauthorized);
+  refused_503      503 with `Retry-After`: the service said "not now", cleanly. The client waits Retry-After
+                   (with +-50% jitter) before its next request, as a well-behaved client does;
+  failed_midstream accepted (200) and then ended with an error event;
+  malformed        anything else: a 5xx other than a clean 503, a 503 without Retry-After, a broken or short stream,
+                   a transport error.
+"lost" = accepted and neither completed nor cleanly refused (failed mid-stream, or malformed after the 200). Also
+p50/p99 time to first token and inter-token latency, and output tokens per second. `python -m cluster bench load`
+runs it against a URL.
 """
 
 from __future__ import annotations
@@ -17,23 +26,30 @@ from typing import Any
 
 import httpx
 
+OUTCOMES = ("complete", "refused_4xx", "refused_503", "failed_midstream", "malformed")
+
 
 @dataclass
 class LoadResult:
     requests: int = 0
-    ok: int = 0
-    errors: list[str] = field(default_factory=list)  # lost or malformed, with the reason
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    lost: int = 0  # accepted (200) and then neither completed nor cleanly refused
+    errors: list[str] = field(default_factory=list)  # every outcome but complete and refused_503, with the reason
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     tokens: int = 0
     wall_s: float = 0.0
+
+    @property
+    def ok(self) -> int:
+        return self.outcomes["complete"]
 
     def summary(self) -> dict[str, Any]:
         def pct(xs: list[float], q: float) -> float | None:
             return round(statistics.quantiles(xs, n=100)[q - 1] * 1e3, 1) if len(xs) >= 2 else None
 
         return {
-            "requests": self.requests, "ok": self.ok, "lost_or_malformed": len(self.errors),
+            "requests": self.requests, **self.outcomes, "lost": self.lost,
             "ttft_p50_ms": pct(self.ttft_s, 50), "ttft_p99_ms": pct(self.ttft_s, 99),
             "itl_p50_ms": pct(self.itl_s, 50), "itl_p99_ms": pct(self.itl_s, 99),
             "output_tokens_per_s": round(self.tokens / self.wall_s, 1) if self.wall_s else 0.0,
@@ -42,29 +58,53 @@ class LoadResult:
         }
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: LoadResult) -> None:
+def _retry_after(r: httpx.Response) -> float | None:
+    try:
+        return float(r.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: LoadResult) -> float:
+    """One streamed request, classified into `res`; returns the seconds to wait before the next one (Retry-After)."""
     res.requests += 1
     t0 = time.perf_counter()
     last = None
-    ids, n_usage, done, chunks = set(), None, False, 0
+    ids, n_usage, done, chunks, accepted = set(), None, False, 0, False
+
+    def outcome(kind: str, why: str | None = None) -> None:
+        res.outcomes[kind] += 1
+        if why is not None:
+            res.errors.append(f"{kind}: {why}")
+        if accepted and kind in ("failed_midstream", "malformed"):
+            res.lost += 1
+
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code == 503 and _retry_after(r) is not None:
+                await r.aread()
+                outcome("refused_503")
+                return _retry_after(r)
+            if 400 <= r.status_code < 500:
+                outcome("refused_4xx", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                return 0.0
             if r.status_code != 200:
-                res.errors.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                return
+                outcome("malformed", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                return 0.0
+            accepted = True
             async for line in r.aiter_lines():
                 if not line:
                     continue
                 if not line.startswith("data: "):
-                    res.errors.append(f"not an SSE data line: {line[:100]!r}")
-                    return
+                    outcome("malformed", f"not an SSE data line: {line[:100]!r}")
+                    return 0.0
                 if line == "data: [DONE]":
                     done = True
                     continue
                 obj = json.loads(line[6:])
                 if "error" in obj:
-                    res.errors.append(f"error event: {obj['error'].get('message')}")
-                    return
+                    outcome("failed_midstream", f"error event after {chunks} chunks: {obj['error'].get('message')}")
+                    return 0.0
                 ids.add(obj["id"])
                 if obj.get("usage"):
                     n_usage = obj["usage"]["completion_tokens"]
@@ -76,14 +116,15 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: L
                         res.itl_s.append(now - last)
                     last = now
                     chunks += 1
-    except Exception as e:  # noqa: BLE001 - any failure of one request is a lost or malformed response
-        res.errors.append(f"{type(e).__name__}: {e}")
-        return
+    except Exception as e:  # noqa: BLE001 - a transport failure of one request
+        outcome("malformed", f"{type(e).__name__}: {e}")
+        return 0.0
     if not done or len(ids) != 1 or n_usage != body["max_tokens"]:
-        res.errors.append(f"malformed: done={done} ids={len(ids)} usage={n_usage} chunks={chunks}")
-        return
-    res.ok += 1
+        outcome("malformed", f"done={done} ids={len(ids)} usage={n_usage} chunks={chunks}")
+        return 0.0
+    outcome("complete")
     res.tokens += n_usage
+    return 0.0
 
 
 async def run_load(url: str, model: str, clients: int = 32, duration_s: float = 60.0, max_tokens: int = 32,
@@ -101,7 +142,9 @@ async def run_load(url: str, model: str, clients: int = 32, duration_s: float = 
             n = rng.randint(*prompt_tokens)
             body = {"model": model, "prompt": [1] + [rng.randrange(3, 1000) for _ in range(n)], "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            await _one(client, url, body, res)
+            wait = await _one(client, url, body, res)
+            if wait:  # honour Retry-After, with jitter so that the clients do not come back in lockstep
+                await asyncio.sleep(min(wait * rng.uniform(0.5, 1.5), max(0.0, deadline - time.perf_counter())))
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, headers=headers) as client:

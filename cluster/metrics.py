@@ -16,7 +16,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 class ServiceMetrics:
     """One registry per HTTP front end. `cluster_state` is set by the caller just before each scrape:
-    {"pools": {(role, state): count}, "transfers": {"transfers", "bytes", "descriptors", "seconds"}, "retried": n,
+    {"pools": {(role, state): count}, "transfers": {"transfers", "bytes", "descriptors", "seconds", "verified",
+    "verify_failures"}, "retried": n, "colocated": {role: n}, "degraded": role serving whole requests or None,
     "scaling": the coordinator's `pools()` (decision counts, each pool's latest signal, the last decisions)}."""
 
     def __init__(self) -> None:
@@ -76,11 +77,29 @@ class _ClusterCollector:
         retried = CounterMetricFamily("pd_requests_retried", "Requests retried on another pair after an engine failure")
         retried.add_metric([], float(state.get("retried", 0)))
         yield retried
+        failed_over = CounterMetricFamily("pd_requests_failed_over", "Streams continued on another pair after their "
+                                          "engine failed mid-stream")
+        failed_over.add_metric([], float(state.get("failed_over", 0)))
+        yield failed_over
+        colocated = CounterMetricFamily("pd_requests_colocated", "Requests served whole by one engine while no "
+                                        "prefill/decode pair was ready (degraded mode), by that engine's pool",
+                                        labels=["role"])
+        for role in ("prefill", "decode"):
+            colocated.add_metric([role], float(state.get("colocated", {}).get(role, 0)))
+        yield colocated
+        degraded = GaugeMetricFamily("pd_degraded", "1 while requests are served whole by one pool's engines "
+                                     "(no prefill/decode pair ready), by that pool", labels=["role"])
+        for role in ("prefill", "decode"):
+            degraded.add_metric([role], float(state.get("degraded") == role))
+        yield degraded
         t = state.get("transfers", {})
         for key, help_ in (("transfers", "NIXL transfers completed (one per request and decode rank)"),
                            ("bytes", "Bytes read over NIXL by decode engines"),
                            ("descriptors", "NIXL descriptors posted by decode engines"),
-                           ("seconds", "Seconds spent in NIXL transfers (sum over decode ranks)")):
+                           ("seconds", "Seconds spent in NIXL transfers (sum over decode ranks)"),
+                           ("verified", "Requests whose transferred bytes matched the prefill side's (transfer.verify)"),
+                           ("verify_failures", "Requests whose transferred bytes differed from the prefill side's "
+                                               "(failed before their first token, transfer.verify)")):
             fam = CounterMetricFamily(f"pd_transfer_{key}", help_)
             fam.add_metric([], float(t.get(key, 0)))
             yield fam

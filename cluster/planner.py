@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 
 from cluster.errors import FieldError
-from cluster.layout import EngineLayout, Proj, fields_differ
+from cluster.layout import HEAD_MAJOR, EngineLayout, Proj, fields_differ
 
 
 class IncompatiblePair(ValueError):
@@ -193,10 +193,17 @@ def validate_pair(prefill: EngineLayout, decode: EngineLayout) -> int:
                 )
     if prefill.model.attention and prefill.kv_layout != decode.kv_layout:
         raise IncompatiblePair("kv_layout", prefill.kv_layout, decode.kv_layout, "both engines must use one KV layout")
-    if prefill.model.attention and prefill.tp != decode.tp and prefill.kv_layout != "HND":
+    if prefill.model.attention and prefill.tp != decode.tp and prefill.kv_layout not in HEAD_MAJOR:
         raise IncompatiblePair(
             "kv_layout", prefill.kv_layout, decode.kv_layout, "different TP sizes need the HND layout (heads outermost)"
         )
+    if (prefill.model.attention and "CPU_TILED" in (prefill.kv_layout, decode.kv_layout)
+            and prefill.kernel_block_size != decode.kernel_block_size):
+        raise IncompatiblePair(
+            "kernel_block_size", prefill.kernel_block_size, decode.kernel_block_size,
+            "vLLM's CPU attention stores V transposed inside each kernel block (K in 32-token tiles), so a token's "
+            "bytes sit elsewhere at another block size and no byte-range read can move them; start both pools with "
+            "one block size (vLLM's block_size engine argument)")
     return tp_ratio(prefill.tp, decode.tp)
 
 

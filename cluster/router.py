@@ -17,6 +17,8 @@
      coordinator, which takes it out of every pair. An engine leaving its pool (scale-down) refuses new requests
      while it drains, and one that has left has no handle any more: both are failures before the first token, so a
      request that raced the departure is retried on another pair.
+  Degraded mode: while no pair is ready - the decode pool is empty, or the prefill pool is - one engine of the other
+  pool runs each request whole (a prefill engine decodes, a decode engine prefills), with the same outputs.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ import uuid
 from collections import Counter
 from typing import Any, AsyncIterator
 
+from cluster.verify import TRANSFER_VERIFY_FAILED
+
 log = logging.getLogger("pd.router")
 COORDINATOR_TIMEOUT_S = 10.0
+FAILOVERS = 2  # a streaming request continues on another pair at most this often
 PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
 HELLO_TIMEOUT_S = 10.0  # a decode engine must reach a new channel's local socket within this
 
@@ -54,8 +59,10 @@ class CoordinatorUnavailable(NoCapacity):
 
 
 class EngineFailure(RuntimeError):
-    """An engine failed while serving the request; `phase` is 'prefill', 'decode' or 'transfer' (the decode engine
-    could not read the state: `engine_id` is then the prefill engine). `streamed`: tokens had already reached the
+    """An engine failed while serving the request; `phase` is 'prefill', 'decode', 'transfer' (the decode engine
+    could not read the state: `engine_id` is then the prefill engine) or 'verify' (what it read differs from the
+    prefill side's bytes, transfer.verify: `engine_id` is the prefill engine; no engine is at fault as far as anyone
+    knows, so the retry prefers another pair but may take the same). `streamed`: tokens had already reached the
     caller (then the request cannot be retried transparently)."""
 
     def __init__(self, phase: str, engine_id: str, cause: BaseException | str, streamed: bool = False):
@@ -92,6 +99,11 @@ class Router:
         self._channels: dict[str, DecodeChannel] = {}
         self._unreachable: set[str] = set()  # decode engines that could not reach this front end's local socket
         self.retried = 0  # requests retried on another pair after an engine failure
+        self.failed_over = 0  # streams continued on another pair after their engine failed mid-stream
+        # degraded mode: requests served whole by one engine while no pair is ready, by the serving engine's role;
+        # the role serving that way now (None: pairs are serving)
+        self.colocated: Counter[str] = Counter()
+        self.degraded: str | None = None
         self.prefill_timeout_s = PREFILL_TIMEOUT_S
 
     async def _ask(self, method: str, *args: Any) -> Any:
@@ -142,32 +154,59 @@ class Router:
         request_id: str | None = None,
         pair: tuple[str, str] | None = None,
         retries: int = 1,
+        failovers: int = FAILOVERS,
     ) -> AsyncIterator[Any]:
         """Yield the decode engine's vLLM RequestOutputs for one request (n = 1): deltas or one final output, as
         `params.output_kind` says. Prompt logprobs, when asked for, come from the prefill engine (the decode engine
         never computes the prompt's logits) on the first output. `pair` pins (prefill engine id, decode engine id);
         it must be a pair the coordinator approved (and is never retried elsewhere). A request that fails before
-        anything reached the caller is retried up to `retries` times on a pair without the failed engine; an engine
-        that died is reported to the coordinator, which removes it from every pair at once."""
+        anything reached the caller is retried up to `retries` times on a pair without the failed engine; one whose
+        engine fails after tokens were streamed continues on another pair up to `failovers` times (the prompt plus
+        the tokens already sent are prefilled again and decoding resumes: `continuation_params` says when and how).
+        An engine that died is reported to the coordinator, which removes it from every pair at once."""
         rid = request_id or uuid.uuid4().hex
         avoid: set[str] = set()
-        for attempt in range(retries + 1):
+        prefer_not: set[str] = set()
+        sent: list[int] = []  # tokens already given to the caller (delta outputs)
+        attempt = failed_over = 0
+        while True:
             # the engines' request id: unique per attempt whatever the caller's id (a client may reuse its
             # X-Request-Id; two requests with one id on an engine would share outputs and aborts)
             attempt_id = f"{rid}-{uuid.uuid4().hex[:8]}" + (f"-retry{attempt}" if attempt else "")
+            prompt, attempt_params = prompt_token_ids, params
+            if sent:
+                prompt, attempt_params = prompt_token_ids + sent, continuation_params(params, len(sent))
             try:
-                async with contextlib.aclosing(self._once(prompt_token_ids, params, attempt_id, pair, avoid)) as outs:
+                async with contextlib.aclosing(self._once(prompt, attempt_params, attempt_id, pair, avoid, prefer_not)) as outs:
                     async for out in outs:
+                        if sent:  # a continuation: to the caller it is the same request
+                            out.prompt_token_ids, out.prompt_logprobs = list(prompt_token_ids), None
+                        if _is_delta(params) and out.outputs:
+                            sent += list(out.outputs[0].token_ids)
                         yield out
                 return
             except EngineFailure as e:
-                self._forget(e.engine_id)  # ask the coordinator again: it may have left or been replaced
-                self._background(self._report_failure(e.engine_id))
-                if e.streamed or pair is not None or attempt == retries:
+                verify = e.phase == "verify"
+                if not verify:
+                    self._forget(e.engine_id)  # ask the coordinator again: it may have left or been replaced
+                    self._background(self._report_failure(e.engine_id))
+                if pair is not None and not verify:
                     raise
-                log.warning("request %s: %s; retrying on another pair", rid, e)
-                avoid.add(e.engine_id)
-                self.retried += 1
+                if e.streamed or sent:
+                    why = continuation_refused(params) or ("it failed over too often" if failed_over >= failovers else None)
+                    if why is not None:
+                        raise EngineFailure(e.phase, e.engine_id, f"{e}; not continued elsewhere: {why}",
+                                            streamed=True) from None
+                    failed_over += 1
+                    self.failed_over += 1
+                    log.warning("request %s: %s after %d tokens; continuing on another pair", rid, e, len(sent))
+                elif attempt >= retries:
+                    raise
+                else:
+                    attempt += 1
+                    self.retried += 1
+                    log.warning("request %s: %s; retrying on another pair", rid, e)
+                (prefer_not if verify else avoid).add(e.engine_id)
 
     def _forget(self, engine_id: str) -> None:
         """Drop what is cached about an engine that failed a request: its handle, and its channel only if that broke
@@ -202,12 +241,24 @@ class Router:
             raise EngineFailure("decode", engine_id, channel.error)
         return channel
 
-    async def _once(self, prompt_token_ids, params, rid, pair, avoid: set[str]) -> AsyncIterator[Any]:
+    async def _once(self, prompt_token_ids, params, rid, pair, avoid: set[str],
+                    prefer_not: frozenset[str] | set[str] = frozenset()) -> AsyncIterator[Any]:
         routes = await self._ask("routes")
         prefills = [p for p in routes if p not in avoid]
+        if pair is None:
+            paired = [p for p in prefills if any(d not in avoid for d in routes[p])]
+            if not paired:  # one pool has no ready engine (or nothing is paired): one engine serves it all
+                async with contextlib.aclosing(self._colocated(prefills, prompt_token_ids, params, rid, avoid)) as outs:
+                    async for out in outs:
+                        yield out
+                return
+            prefills = paired
+            if self.degraded is not None:
+                log.warning("no longer degraded: prefill/decode pairs serve requests again")
+                self.degraded = None
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
-        p_id = pair[0] if pair else self._pick(prefills)
+        p_id = pair[0] if pair else self._pick([p for p in prefills if p not in prefer_not] or prefills)
         decodes = [d for d in routes[p_id] if d not in avoid] if p_id in prefills else []
         if pair and pair[1] not in decodes:
             raise NoCapacity(f"pair {pair[0]} -> {pair[1]} is not approved by the coordinator")
@@ -229,8 +280,36 @@ class Router:
             raise EngineFailure("prefill", p_id, e) from None
         finally:
             self.inflight[p_id] -= 1
-        kv_params = prefilled["kv_transfer_params"]
+        async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, prefilled,
+                                                    p_id, prefill)) as outs:
+            async for out in outs:
+                yield out
 
+    async def _colocated(self, prefills: list[str], prompt_token_ids, params, rid, avoid: set[str]) -> AsyncIterator[Any]:
+        """Degraded mode: no prefill/decode pair is ready, so one engine runs the whole request - a ready prefill
+        engine while the decode pool is empty, a ready decode engine while the prefill pool is (counted in
+        `colocated`, logged when it starts and stops)."""
+        role, engines = "prefill", prefills
+        if not engines:
+            role, engines = "decode", [d for d in await self._ask("ready", "decode") if d not in avoid]
+        if not engines:
+            raise NoCapacity("no prefill or decode engine is registered and ready")
+        if self.degraded != role:
+            log.warning("degraded: no ready %s engine is paired; %s engines serve requests whole",
+                        "decode" if role == "prefill" else "prefill", role)
+            self.degraded = role
+        e_id = self._pick(engines)
+        handle = await self._handle(e_id, "decode")
+        self.colocated[role] += 1
+        async with contextlib.aclosing(self._decode(e_id, handle, prompt_token_ids, params, rid, None)) as outs:
+            async for out in outs:
+                yield out
+
+    async def _decode(self, d_id: str, decode: Any, prompt_token_ids, params, rid, prefilled: dict[str, Any] | None,
+                      p_id: str | None = None, prefill: Any = None) -> AsyncIterator[Any]:
+        """Stream one request's outputs from engine `d_id`: the decode side of a pair, reading the state `prefilled`
+        describes from prefill engine `p_id`, or (prefilled None) the whole request on that one engine."""
+        kv_params = prefilled["kv_transfer_params"] if prefilled else None
         self.inflight[d_id] += 1
         finished = streamed = False
         inbox = None
@@ -245,6 +324,8 @@ class Router:
                 out = await inbox.get()
                 if isinstance(out, BaseException):  # the channel broke: the engine died or left
                     raise EngineFailure("decode", d_id, out, streamed=streamed)
+                if not hasattr(out, "outputs") and out.kind == TRANSFER_VERIFY_FAILED:  # before any token exists
+                    raise EngineFailure("verify", p_id, f"transfer verify: {out.message}")
                 if not hasattr(out, "outputs"):  # a DecodeError: the request failed inside the engine
                     raise EngineFailure("decode", d_id, f"{out.kind}: {out.message}", streamed=streamed)
                 reason = out.outputs[0].finish_reason if out.outputs else None
@@ -257,7 +338,7 @@ class Router:
                     raise EngineFailure("decode", d_id, "the engine aborted the request (it is shutting down)",
                                         streamed=streamed)
                 finished = bool(out.finished)
-                if not streamed and prefilled.get("prompt_logprobs") is not None:
+                if not streamed and prefilled and prefilled.get("prompt_logprobs") is not None:
                     out.prompt_logprobs = prefilled["prompt_logprobs"]
                 streamed = True  # whatever reached the caller cannot be taken back: no retry from here on
                 yield out
@@ -274,7 +355,8 @@ class Router:
                     decode.abort.remote(rid)
                 except Exception:  # noqa: BLE001 - the engine may be gone
                     pass
-                self._background(self._release_prefill(prefill, kv_params))
+                if prefill is not None:
+                    self._background(self._release_prefill(prefill, kv_params))
 
     def _background(self, coro) -> None:
         """Run clean-up to completion even though the request's own task is being cancelled."""
@@ -327,6 +409,34 @@ class _Inbox:
 
     def leave(self) -> None:
         self.channel.inboxes.pop(self.request_id, None)
+
+
+def continuation_refused(params: Any) -> str | None:
+    """Why a request that already streamed tokens cannot continue on another pair (None: it can). Continuing
+    prefills the prompt plus the tokens sent and decodes on: exact for greedy sampling; a seeded request continues
+    from `seed + tokens sent` (deterministic, but not the tokens the first engine would have drawn); unseeded sampling
+    keeps its distribution. Refused where the continuation would be another request: presence/frequency penalties
+    (they count only generated tokens, and the sent ones become prompt), structured output (its grammar state would
+    restart), and outputs that are not deltas."""
+    if not _is_delta(params):
+        return "its outputs are not deltas"
+    if params.presence_penalty or params.frequency_penalty:
+        return "presence/frequency penalties would count the tokens already sent as prompt"
+    if getattr(params, "structured_outputs", None) is not None:
+        return "structured output would restart its grammar"
+    return None
+
+
+def continuation_params(params: Any, sent: int) -> Any:
+    """The sampling parameters of a request's continuation after `sent` tokens (see `continuation_refused`)."""
+    p = params.clone()
+    p.max_tokens = max(1, params.max_tokens - sent) if params.max_tokens is not None else None
+    p.min_tokens = max(0, (params.min_tokens or 0) - sent)
+    if params.seed is not None:
+        p.seed = params.seed + sent
+    p.prompt_logprobs = None  # the first output already carried them
+    p.truncate_prompt_tokens = None
+    return p
 
 
 def _is_delta(params: Any) -> bool:

@@ -35,10 +35,12 @@ def prompts(seed: int = 5, lengths=(3, 60, 200, 700)) -> list[list[int]]:
 class PDCluster:
     """A coordinator and engines started together; `engines[(role, tp)]` -> handle."""
 
-    def __init__(self, model_dir, layout: list[tuple[str, int]], namespace: str):
+    def __init__(self, model_dir, layout: list[tuple[str, int]], namespace: str,
+                 engine_kwargs: dict[str, Any] | None = None):
         self.coordinator = CoordinatorActor.options(name=f"coordinator-{namespace}").remote()
         launched = {
-            (role, tp): launch_engine_actor(model_dir, tp, role=role, engine_id=f"{role}-tp{tp}") for role, tp in layout
+            (role, tp): launch_engine_actor(model_dir, tp, role=role, engine_id=f"{role}-tp{tp}", engine_kwargs=engine_kwargs)
+            for role, tp in layout
         }
         self.engines = {k: h for k, (h, _) in launched.items()}
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,9 @@ def test_gpu_example_is_4p2d(tmp_path, monkeypatch):
         ({"modle": {}}, "modle", "Extra inputs are not permitted"),
         ({"device": "tpu"}, "device", "'cpu' or 'cuda'"),
         ({"coordinator": {"namespace": ""}}, "coordinator.namespace", "at least 1"),
+        ({"transfer": {"verify": 1.5}}, "transfer.verify", "off, all or a fraction"),
+        ({"transfer": {"verify": "sometimes"}}, "transfer.verify", "off, all or a fraction"),
+        ({"transfer": {"verify": "all"}, "device": "cuda"}, "(top)", "transfer.verify: checksums are computed by the CPU over DRAM"),
     ],
 )
 def test_bad_fields_are_named(tmp_path, data, field, reason):
@@ -80,3 +84,93 @@ def test_launch_refuses_a_bad_file_before_starting_anything(tmp_path, capsys):
 
     assert main([str(write(tmp_path, {"prefill": {"tp": 6}}))]) == 2
     assert "prefill.tp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, fraction", [("off", 0.0), ("all", 1.0), ("0.25", 0.25), ("true", 1.0), ("false", 0.0),
+                                            ("'off'", 0.0), ("0", 0.0), ("1", 1.0)])
+def test_transfer_verify_spellings(tmp_path, text, fraction):
+    """YAML reads a bare `off` as false and `on` as true: every spelling means what it says."""
+    cfg = load_deploy(write(tmp_path, f"transfer:\n  verify: {text}\n"))
+    assert cfg.transfer.verify == fraction
+
+
+def test_transfer_verify_reaches_only_the_decode_engines():
+    from cluster.launch import _device_options
+    from cluster.verify import VERIFY_ENV
+
+    cfg = DeployConfig.model_validate({"transfer": {"verify": 0.1}})
+    assert _device_options(cfg, cfg.decode, "decode")["extra_env"][VERIFY_ENV] == "0.1"
+    assert VERIFY_ENV not in _device_options(cfg, cfg.prefill, "prefill")["extra_env"]
+    assert VERIFY_ENV not in _device_options(DeployConfig(), cfg.decode, "decode")["extra_env"]
+
+
+def test_the_verify_sample_is_a_function_of_the_request_id():
+    from cluster.verify import sampled
+
+    ids = [f"cmpl-{i}" for i in range(4000)]
+    picked = [i for i in ids if sampled(i, 0.25)]
+    assert picked == [i for i in ids if sampled(i, 0.25)]  # the actor and the workers agree without a message
+    assert 0.2 < len(picked) / len(ids) < 0.3
+    assert all(sampled(i, 1.0) for i in ids) and not any(sampled(i, 0.0) for i in ids)
+
+
+def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
+    """What the launcher starts each engine of the GPU example with (nothing here runs on a GPU): one GPU per TP rank,
+    the DS conv-state layout vLLM 0.32's NIXL worker asserts on CUDA (only the CPU platform picks it by itself), the
+    project's connector over VRAM, vLLM's share of GPU memory, and vLLM's default async scheduling - which 0.32 runs
+    safely with hybrid P/D because it carries both upstream fixes, checked here in the installed vLLM."""
+    from cluster.launch import engine_launch
+    from cluster.models import model_config
+    from cluster.verify import VERIFY_ENV
+
+    data = yaml.safe_load((ROOT / "configs/deploy-gpu-qwen3.5-35b-a3b-4p2d.yaml").read_text())
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data["model"]["path"] = str(model)
+    cfg = load_deploy(write(tmp_path, data))
+    for role, tp in (("prefill", 1), ("decode", 2)):
+        spec = engine_launch(cfg, role, str(model), f"{role}-0")
+        assert spec["num_gpus"] == tp
+        assert spec["env"]["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS" and VERIFY_ENV not in spec["env"]
+        args = spec["vllm_args"]
+        assert (args["model"], args["tensor_parallel_size"], args["gpu_memory_utilization"]) == (str(model), tp, 0.9)
+        assert "async_scheduling" not in args  # vLLM's default: on
+        kv = args["kv_transfer_config"]
+        assert (kv["kv_connector"], kv["kv_connector_module_path"], kv["kv_buffer_device"], kv["engine_id"]) == (
+            "NixlConnector", "actors.connector", "cuda", f"{role}-0")
+        assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        assert args["worker_extension_cls"] == "actors.connector.PDWorkerExtension"
+    assert "block_size" not in args  # GPU attention pages are token-major: block sizes may differ between pools
+    # the CPU default: the platform picks DS itself, the cache lives in DRAM, no GPUs
+    (model / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
+    cpu = engine_launch(DeployConfig(), "decode", str(model), "decode-0")
+    assert "VLLM_SSM_CONV_STATE_LAYOUT" not in cpu["env"] and cpu["num_gpus"] == 0
+    assert cpu["vllm_args"]["kv_transfer_config"]["kv_buffer_device"] == "cpu"
+
+
+def test_cpu_pools_get_one_block_size(tmp_path):
+    """vLLM gives gdn-asym 384-token blocks at TP 1 but 256 at TP 4, and CPU attention pages cannot be remapped
+    between block sizes: the launcher starts both pools with the larger one (computed for an fp32 recurrent state,
+    which vLLM's CPU platform uses on AVX512-BF16 machines, so that it fits everywhere)."""
+    from cluster.launch import cpu_block_size, engine_launch
+    from cluster.models import model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config("gdn-asym").to_dict()))
+    cfg = DeployConfig.model_validate({"model": {"path": str(tmp_path)}, "prefill": {"tp": 1}, "decode": {"tp": 4}})
+    assert cpu_block_size(cfg, tmp_path) == 384
+    for role in ("prefill", "decode"):
+        assert engine_launch(cfg, role, str(tmp_path), f"{role}-0")["vllm_args"]["block_size"] == 384
+    gdn = DeployConfig.model_validate({"model": {"path": str(tmp_path)}, "decode": {"tp": 2}})
+    (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
+    assert cpu_block_size(gdn, tmp_path) == 128  # what vLLM picks at TP 1 and 2 anyway
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from actors.connector import NixlConnector
+
+    # vLLM #48481: attention blocks a connector loads are not zeroed behind the transfer's back
+    assert NixlConnector.get_loaded_kv_cache_group_ids is not KVConnectorBase_V1.get_loaded_kv_cache_group_ids
+    # vLLM #45357: freed blocks wait for the in-flight step before a transfer may refill them
+    assert hasattr(Scheduler, "_drain_deferred_frees")

@@ -74,6 +74,19 @@ def test_disaggregated_equals_colocated(pd, reference, p_tp, d_tp):
         assert out == ref, f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}"
 
 
+@pytest.mark.parametrize("p_tp, d_tp", PAIRS)
+def test_prompts_on_block_boundaries(pd, p_tp, d_tp):
+    """This model's logical block on CPU is 128 tokens and the prefill side transfers all but the last prompt token:
+    prompts of 128 (127 transferred), 129 (exactly one block) and 257 tokens (exactly two) - the cases where an
+    off-by-one in the block mapping reads a stale or a missing block - equal the model's rule."""
+    block = ray.get(pd.engines[("decode", d_tp)].registration.remote())["ranks"][0]["layout"]["block_size"]
+    assert block == 128
+    cases = prompts(seed=41, lengths=(block - 1, block, 2 * block))
+    outs = gather(run_pair(pd.router, f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p) for p in cases)
+    for prompt, out in zip(cases, outs):
+        assert out == oracle(prompt), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}"
+
+
 def test_decode_outputs_take_the_local_socket_and_the_ray_stream_alike(pd, reference):
     """On one node a router receives decode outputs on a local ZeroMQ socket, and the channel's Ray stream carries
     only its opening (it stays open as the lifeline that breaks when the engine dies); a router told to use the Ray
@@ -162,6 +175,26 @@ def test_engine_of_another_model_refused(pd, ray_local):
     finally:
         stop_engine_actor(other)
     assert "prefill-asym" not in ray.get(pd.coordinator.describe.remote())["engines"]
+
+
+def test_a_decode_engine_with_another_block_size_is_refused(pd):
+    """A real decode engine started with 256-token blocks (the prefill engines run 128): vLLM's CPU attention pages
+    are not token-major inside a block, so its reads would have landed garbage - a live gdn-asym P TP 1 (384) ->
+    D TP 4 (256) pair answered wrong tokens for every prompt with a hit, silently, before the coordinator checked it.
+    Refused at registration, naming the field and both values."""
+    from actors.engine import launch_engine_actor, stop_engine_actor
+
+    other, started = launch_engine_actor(ensure_model("gdn"), 1, role="decode", engine_id="decode-bs256",
+                                         engine_kwargs={"block_size": 256})
+    try:
+        ray.get(started)
+        with pytest.raises(RegistrationError, match=r"kernel_block_size: decode-bs256 \(decode\) is incompatible with "
+                                                    r"prefill-tp\d \(prefill\): kernel_block_size: prefill has 128, "
+                                                    r"decode has 256; vLLM's CPU attention stores V transposed"):
+            ray.get(other.register.remote(pd.coordinator))
+    finally:
+        stop_engine_actor(other)
+    assert "decode-bs256" not in ray.get(pd.coordinator.describe.remote())["engines"]
 
 
 def test_failed_decode_frees_prefill_blocks(pd):
@@ -312,6 +345,71 @@ def test_a_read_that_cannot_be_assembled_fails_its_request_not_the_engine(pd, re
         ray.get(decode.install_pair.remote("prefill-tp1", good))
     assert ray.get(decode.health.remote())["healthy"]
     assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
+
+
+def test_transfer_verify_checks_every_read_and_fails_closed(pd, reference):
+    """transfer.verify on the TP 2 decode engine reading from the TP 1 prefill engine (each decode rank reads half of
+    every head-sharded region). All: every request's reads are checked, region by region, against the prefill
+    side's bytes before it runs a step, and outputs are unchanged. A byte flipped on purpose on decode rank 1 right
+    after its read lands: the request fails before any token, naming the pair and the region, and frees the prefill
+    side's blocks; with the router's retry the client gets the right output. Sampled: exactly the requests the
+    sample names are checked."""
+    from cluster.router import EngineFailure
+    from cluster.verify import sampled
+
+    decode, prefill = pd.engines[("decode", 2)], pd.engines[("prefill", 1)]
+
+    async def once(prompt, retries):
+        out = []
+        async for o in pd.router.stream(prompt, _greedy(), pair=("prefill-tp1", "decode-tp2"), retries=retries):
+            out += o.outputs[0].token_ids
+        return out
+
+    ray.get(decode.set_verify.remote("all"))
+    try:
+        ray.get(decode.transfer_stats.remote())
+        before = ray.get(decode.transfer_totals.remote())
+        assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
+        totals = ray.get(decode.transfer_totals.remote())
+        assert totals["verified"] - before["verified"] == len(prompts())
+        assert totals["verify_failures"] == before["verify_failures"]
+        stats = ray.get(decode.transfer_stats.remote())
+        assert len(stats) == 2 * len(prompts()) and all(s["verify"] and s["ok"] for s in stats)
+        assert len(ray.get(decode.verify_timings.remote())) == len(prompts())
+
+        ray.get(decode.plant_corruption.remote(1, 1))
+        with pytest.raises(EngineFailure, match=r"verify failed on engine prefill-tp1: transfer verify: pair "
+                                                r"prefill-tp1 -> decode-tp2: region \d+ \(decode rank 1 from prefill rank 0") as failed:
+            asyncio.run(once(prompts()[2], retries=0))
+        assert not failed.value.streamed
+        assert ray.get(prefill.pending_sends.remote(wait_s=10)) == []
+        retried = pd.router.retried
+        ray.get(decode.plant_corruption.remote(1, 1))
+        assert asyncio.run(once(prompts()[2], retries=1)) == reference[2]
+        assert pd.router.retried == retried + 1
+        after = ray.get(decode.transfer_totals.remote())
+        assert after["verify_failures"] - totals["verify_failures"] == 2
+        assert after["verified"] - totals["verified"] == 1
+
+        ray.get(decode.set_verify.remote(0.5))
+        ray.get(decode.transfer_stats.remote())
+        many = prompts(seed=13, lengths=[40] * 16)
+        assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in many) == [oracle(p) for p in many]
+        stats = ray.get(decode.transfer_stats.remote())
+        assert len(stats) == 2 * len(many)
+        assert all(s["verify"] == sampled(s["request_id"], 0.5) for s in stats)
+        assert 0 < sum(s["verify"] for s in stats) < len(stats)
+    finally:
+        ray.get(decode.set_verify.remote("off"))
+        ray.get(decode.plant_corruption.remote(0, 1))
+    assert ray.get(decode.health.remote())["healthy"]
+
+
+def _greedy():
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
 
 def test_shutdown_leaves_no_engine_processes_or_ports(pd):

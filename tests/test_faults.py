@@ -84,21 +84,35 @@ def assert_no_leaked_blocks(cluster, timeout_s: float = 10.0) -> None:
 
 
 def test_decode_dies_mid_stream(served):
-    """A stream whose decode engine dies ends with an error event and [DONE]; the prefill side holds nothing."""
+    """SIGKILL the decode engine of a greedy stream after its first tokens: the stream goes on - the prompt plus the
+    tokens already sent are prefilled again and decoded on the other decode engine - and the client gets one
+    uninterrupted answer, token for token the one the cluster gives without the kill. The prefill side holds nothing
+    and the coordinator takes the dead engine out of every pair."""
     url, prefill = served.url, served.engines["prefill-0"]
-    body = {"model": MODEL, "prompt": [1] + list(range(3, 300)), "max_tokens": 1500, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+    body = {"model": MODEL, "prompt": [1] + list(range(3, 300)), "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0, "logprobs": 1}
+    want = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    pieces, tokens, finish = [], [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
         lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data: {"))
+        first = next(line for line in lines if line.startswith("data: {"))
         victim = next(e for e in ("decode-0", "decode-1") if ray.get(served.engines[e].num_unfinished.remote()) == 1)
         children = kill_engine(served, victim)
         t0 = time.monotonic()
         rest = [line for line in lines if line]
     took = time.monotonic() - t0
-    print(f"stream ended {took:.2f} s after {victim} was killed: {rest[-2][:160]}")
-    assert took < 30 and rest[-1] == "data: [DONE]"
-    error = json.loads(rest[-2].removeprefix("data: "))["error"]
-    assert error["code"] == 503 and "failed in decode" in error["message"], error
+    for line in [first] + rest[:-1]:
+        event = json.loads(line.removeprefix("data: "))
+        assert "error" not in event, event
+        choice = event["choices"][0]
+        pieces.append(choice["text"])
+        tokens += choice["logprobs"]["tokens"]
+        finish = choice["finish_reason"] or finish
+    print(f"stream finished {took:.2f} s after {victim} was killed, {len(tokens)} tokens")
+    assert rest[-1] == "data: [DONE]" and finish == "length"
+    assert "".join(pieces) == want["text"] and tokens == want["logprobs"]["tokens"] and len(tokens) == 200
+    metrics = httpx.get(f"{url}/metrics").text
+    assert float(_metric(metrics, "pd_requests_failed_over_total")) >= 1
     assert ray.get(prefill.pending_sends.remote(5.0)) == []
     removed = wait_for(lambda: victim not in ray.get(served.coordinator.ready.remote("decode")), 15)
     print(f"coordinator removed {victim} within {removed:.2f} s of the stream's end")
@@ -218,6 +232,42 @@ def test_coordinator_restart_rebuilds_the_registry(served):
     assert_no_leaked_blocks(served)
 
 
+def test_with_the_decode_pool_dead_the_prefill_engine_serves_whole_requests(served, gdn_model):
+    """SIGKILL the last decode engine: the decode pool is empty, and the prefill engine, which would otherwise sit
+    idle while every request got a 503, runs requests whole - all 200, the same outputs as through the pair, /health
+    200 "degraded", counted in /metrics. A new decode engine joins: pairs serve again and /health says "ok"."""
+    url = served.url
+    replacement, started = launch_engine_actor(gdn_model, 1, role="decode", engine_id="decode-7", served_model=MODEL,
+                                               name=f"{ENGINE_PREFIX}decode-7", namespace="pd-test-faults")
+    prompts = [[1] + [(13 * i + j) % 900 + 3 for j in range(50 + 40 * i)] for i in range(6)]
+    want = [complete(url, p)["choices"][0]["text"] for p in prompts]  # through the pair
+    decodes = [e for e in served.engines if e.startswith("decode")]
+    children = [c for e in decodes for c in kill_engine(served, e)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:  # at once: some race the coordinator's notice
+        got = list(pool.map(lambda p: complete(url, p), prompts))
+    assert [g["status"] for g in got] == [200] * len(prompts), [g for g in got if g["status"] != 200]
+    assert [g["choices"][0]["text"] for g in got] == want
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+    assert health.json()["serving"] == "prefill engines decode"
+    metrics = httpx.get(f"{url}/metrics").text
+    assert float(_metric(metrics, 'pd_requests_colocated_total{role="prefill"}')) >= 1
+    assert float(_metric(metrics, 'pd_degraded{role="prefill"}')) == 1
+    assert reap(children) == []
+    for e in decodes:
+        served.engines.pop(e)
+        served.idle_free.pop(e, None)
+
+    ray.get(started)
+    ray.get(replacement.register.remote(served.coordinator))
+    served.engines["decode-7"] = replacement
+    served.idle_free["decode-7"] = ray.get(replacement.free_blocks.remote())
+    assert complete(url, prompts[0])["choices"][0]["text"] == want[0]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert float(_metric(httpx.get(f"{url}/metrics").text, 'pd_degraded{role="prefill"}')) == 0
+    assert_no_leaked_blocks(served)
+
+
 def test_prefill_dies_after_prefill_before_the_read(served):
     """The window between a prefill and the decode engine's read, hit exactly: prefill a request, SIGKILL the prefill
     engine, then hand its transfer parameters to a decode engine (what the router does next). The decode request
@@ -254,12 +304,38 @@ async def run_decode(decode, prompt, sampling, params, rid):
     return out, err
 
 
-def test_prefill_death_is_a_clear_503(served):
-    """With the only prefill engine dead, requests get 503 + Retry-After (not a hang or a 500) and /health says so."""
+def test_with_the_prefill_pool_dead_decode_engines_serve_whole_requests_then_503(served):
+    """The only prefill engine is dead (killed by the test before): the decode engine runs requests whole - 200s with
+    the output it gives alone, /health 200 "degraded", counted in /metrics. Once the last decode engine dies too,
+    requests get 503 + Retry-After (not a hang or a 500) and /health turns 503."""
     url = served.url
-    t0 = time.monotonic()  # the prefill engine was killed by the test before
+    (decode_id, decode), = [(e, h) for e, h in served.engines.items() if e.startswith("decode")]
+    prompts = [[1] + [(11 * i + j) % 900 + 3 for j in range(30 + 50 * i)] for i in range(4)]
+    want = [ray.get(decode.generate.remote(prompt_token_ids=p, max_tokens=8, ignore_eos=True))["text"] for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: complete(url, p), prompts))
+    assert [g["status"] for g in got] == [200] * len(prompts), got
+    assert [g["choices"][0]["text"] for g in got] == want
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+    assert health.json()["serving"] == "decode engines prefill"
+    metrics = httpx.get(f"{url}/metrics").text
+    assert float(_metric(metrics, 'pd_requests_colocated_total{role="decode"}')) >= len(prompts)
+    assert float(_metric(metrics, 'pd_degraded{role="decode"}')) == 1
+
+    children = kill_engine(served, decode_id)
+    t0 = time.monotonic()
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=60)
     assert r.status_code == 503 and r.headers.get("retry-after")
     assert r.json()["error"]["code"] == 503 and r.json()["error"]["message"]
     wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 15)
-    print(f"prefill death: 503 after {time.monotonic() - t0:.2f} s, /health 503")
+    print(f"last engine dead: 503 after {time.monotonic() - t0:.2f} s, /health 503")
+    assert reap(children) == []
+    served.engines.pop(decode_id)
+
+
+def _metric(text: str, name: str) -> str:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return line.rsplit(" ", 1)[1]
+    raise AssertionError(f"{name} not in /metrics")

@@ -30,6 +30,7 @@ def served(ray_local, gdn_model):
         "model": {"path": str(gdn_model), "name": MODEL},
         "coordinator": {"name": "coordinator-http", "namespace": "pd-test-http"},
         "http": {"port": free_port(), "api_key": KEY, "max_body_bytes": 65536},
+        "transfer": {"verify": "all"},  # every request of this API's tests has its transferred bytes checked
     })
     t0 = time.monotonic()
     cluster = start_cluster(cfg, progress=print)
@@ -365,18 +366,28 @@ def test_api_key_required(served):
 
 
 def test_no_capacity_is_503_with_retry_after(served):
+    """With the prefill pool empty (its engine draining) the decode engine serves requests whole: 200, /health
+    "degraded". With neither pool ready: 503 + Retry-After, for streams too (a stream that fails before its first
+    token is a 503, not a 200), and /health 503."""
     ray.get(served.coordinator.set_state.remote("prefill-0", "draining"))
     try:
-        for stream in (False, True):  # a stream that fails before its first token is a 503 too, not a 200
+        r = post(served, {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        h = httpx.get(f"{served.url}/health")
+        assert h.status_code == 200 and h.json()["status"] == "degraded", h.text
+        ray.get(served.coordinator.set_state.remote("decode-0", "draining"))
+        for stream in (False, True):
             r = post(served, {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": stream})
             assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
             assert "no engine can take the request" in r.json()["error"]["message"]
             assert int(r.headers["retry-after"]) >= 1
         h = httpx.get(f"{served.url}/health")
-        assert h.status_code == 503 and h.json()["ready"] == {"prefill": 0, "decode": 1}
+        assert h.status_code == 503 and h.json()["ready"] == {"prefill": 0, "decode": 0}
     finally:
+        ray.get(served.coordinator.set_state.remote("decode-0", "ready"))
         ray.get(served.coordinator.set_state.remote("prefill-0", "ready"))
     assert post(served, {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+    assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
 
 
 def test_client_disconnect_aborts_on_both_engines(served):
@@ -411,6 +422,9 @@ def test_metrics(served, client):
     assert float(_metric(text, "pd_inter_token_latency_seconds_count")) >= 2
     assert float(_metric(text, "pd_transfer_bytes_total")) > 0
     assert float(_metric(text, "pd_transfer_seconds_total")) > 0
+    # transfer.verify is "all" here: every request so far was checked, and none differed
+    assert float(_metric(text, "pd_transfer_verified_total")) >= 1
+    assert float(_metric(text, "pd_transfer_verify_failures_total")) == 0
     assert float(_metric(text, 'pd_pool_engines{role="decode",state="ready"}')) == 1
     assert float(_metric(text, 'pd_pool_engines{role="prefill",state="ready"}')) == 1
 
@@ -439,7 +453,7 @@ def test_short_load_loses_nothing(served):
     res = asyncio.run(run_load(served.url, MODEL, clients=16, duration_s=15, max_tokens=16, api_key=KEY))
     summary = res.summary()
     print(f"load: {summary}")
-    assert summary["lost_or_malformed"] == 0, summary["first_errors"]
+    assert summary["lost"] == 0 and summary["malformed"] == 0, summary["first_errors"]
     assert res.ok >= 16 and res.ok == res.requests
 
 

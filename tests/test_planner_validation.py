@@ -67,6 +67,39 @@ def test_nhd_layout_refused_across_tp_sizes():
     plan_pair(p, dataclasses.replace(p))  # same TP: fine
 
 
+def test_cpu_attention_pages_at_another_kernel_block_size_are_refused():
+    """vLLM's CPU attention keeps a kernel block head-major but not token-major (measured with vLLM's own cache-write
+    op, for the instruction set it picks on this machine): a token's K or V bytes sit elsewhere at another block size,
+    so token-position reads between engines with different kernel block sizes would land garbage - what a live P TP 1
+    (384-token blocks) -> D TP 4 (256) pair of gdn-asym did, silently, before this check. Refused, naming the field;
+    equal kernel blocks, or a GPU layout (token rows in order), pair as before."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    def token_major(block: int, tokens: int = 64, head_dim: int = 64) -> tuple[bool, bool]:
+        isa = _get_attn_isa(torch.bfloat16, block, head_dim)
+        cache = torch.zeros(1, 1, 2 * block, head_dim, dtype=torch.bfloat16)
+        k, v = cache.chunk(2, dim=2)
+        key = torch.arange(1, tokens + 1, dtype=torch.bfloat16).view(tokens, 1, 1).expand(tokens, 1, head_dim).contiguous()
+        ops.cpu_attn_reshape_and_cache(key, -key, k, v, torch.arange(tokens), isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+        rows = [cache[0, 0, :block].reshape(-1).float(), cache[0, 0, block:].reshape(-1).float()]
+        return tuple(all(bool((r[t * head_dim:(t + 1) * head_dim] == sign * (t + 1)).all()) for t in range(tokens))
+                     for r, sign in zip(rows, (1, -1)))
+
+    assert token_major(128) != (True, True) and token_major(256) != (True, True)
+
+    p = offline_layout(gdn(), 1, "bfloat16", "float32", kv_layout="CPU_TILED")
+    d = offline_layout(gdn(), 2, "bfloat16", "float32", block_size=2 * p.block_size, kv_layout="CPU_TILED")
+    assert p.kernel_block_size != d.kernel_block_size
+    with pytest.raises(IncompatiblePair, match=rf"^kernel_block_size: prefill has {p.kernel_block_size}, decode has "
+                                               rf"{d.kernel_block_size}; vLLM's CPU attention stores V transposed"):
+        plan_pair(p, d)
+    plan_pair(p, offline_layout(gdn(), 2, "bfloat16", "float32", block_size=p.block_size, kv_layout="CPU_TILED"))
+    plan_pair(dataclasses.replace(p, kv_layout="HND"), dataclasses.replace(d, kv_layout="HND"))  # GPU: token rows
+
+
 @pytest.mark.parametrize(
     "build, field",
     [

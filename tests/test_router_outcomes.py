@@ -27,7 +27,7 @@ class FakeEngine:
     request, one channel item each."""
 
     def __init__(self, outputs: list[dict]):
-        self.outputs, self.released, self.aborted = outputs, [], []
+        self.outputs, self.released, self.aborted, self.submitted = outputs, [], [], []
         self.channels: dict[str, asyncio.Queue] = {}
         self.prefill_request = SimpleNamespace(remote=lambda prompt, rid, logprobs: _ready(
             {"kv_transfer_params": {"remote_request_id": rid}, "prompt_logprobs": None}))
@@ -44,6 +44,7 @@ class FakeEngine:
             yield _ready([await queue.get()])
 
     def _submit(self, channel_id, rid, prompt, params, kv_params):
+        self.submitted.append((list(prompt), params, kv_params))
         async def produce():  # one output per engine step, a step apart (the caller reads each before the next)
             for out in self.outputs:
                 self.channels[channel_id].put_nowait((rid, request_output(rid, **out)))
@@ -75,16 +76,48 @@ def tokens(*ids, finish=None):
     return {"token_ids": list(ids), "text": "".join(f"<{i}>" for i in ids), "finish_reason": finish}
 
 
-async def collect(router: Router) -> list[dict]:
-    return [out async for out in router.generate([1, 2, 3], {"max_tokens": 3})]
+async def collect(router: Router, **sampling) -> list[dict]:
+    return [out async for out in router.generate([1, 2, 3], {"max_tokens": 3, **sampling})]
 
 
-def test_an_aborted_request_is_a_failure_not_a_short_answer():
-    d = FakeEngine([tokens(5), tokens(6), {"token_ids": [], "text": "", "finish_reason": "abort"}])
-    router = Router(FakeCoordinator({"p": FakeEngine([]), "d": d}, [("p", "d")]))
-    with pytest.raises(EngineFailure, match="decode failed on engine d: the engine aborted") as e:
-        asyncio.run(collect(router))
-    assert e.value.streamed and router.retried == 0  # tokens had reached the caller: not retried, reported
+ABORT = {"token_ids": [], "text": "", "finish_reason": "abort"}
+
+
+def test_an_aborted_request_is_never_a_short_answer_it_continues_elsewhere():
+    """The decode engine stops under a request after two of its three tokens: the stream goes on, the prompt plus
+    the two tokens sent are run again - here on the prefill engine alone, the decode pool having no other engine -
+    for the one token left, and the caller sees one uninterrupted answer."""
+    d = FakeEngine([tokens(5), tokens(6), ABORT])
+    p = FakeEngine([tokens(7, finish="length")])
+    router = Router(FakeCoordinator({"p": p, "d": d}, [("p", "d")]))
+    outs = asyncio.run(collect(router, seed=40))
+    assert [t for o in outs for t in o["token_ids"]] == [5, 6, 7] and outs[-1]["finish_reason"] == "length"
+    (prompt, params, kv_params), = p.submitted
+    assert prompt == [1, 2, 3, 5, 6] and kv_params is None  # colocated on the prefill engine (degraded mode)
+    assert (params.max_tokens, params.seed) == (1, 42) and router.failed_over == 1 and router.retried == 0
+
+
+def test_a_continuation_that_would_be_another_request_is_refused():
+    """Presence/frequency penalties count generated tokens only: the tokens sent would become prompt, so the
+    continuation would not be the request the caller asked for. The stream ends with a clear error instead."""
+    for sampling in ({"presence_penalty": 0.5}, {"frequency_penalty": 0.5}):
+        d = FakeEngine([tokens(5), ABORT])
+        router = Router(FakeCoordinator({"p": FakeEngine([tokens(7)]), "d": d}, [("p", "d")]))
+        with pytest.raises(EngineFailure, match="the engine aborted.*not continued elsewhere: presence/frequency") as e:
+            asyncio.run(collect(router, **sampling))
+        assert e.value.streamed and router.failed_over == 0
+
+
+def test_failover_is_bounded():
+    """Every engine stops under the request after one token: two continuations, then a clear error."""
+    engines = {f"{role}{i}": FakeEngine([tokens(10 + i), ABORT]) for i in range(4) for role in ("p", "d")}
+    router = Router(FakeCoordinator(engines, [(f"p{i}", f"d{i}") for i in range(4)]))
+    router._pick = lambda candidates: sorted(candidates)[0]
+    with pytest.raises(EngineFailure, match="not continued elsewhere: it failed over too often") as e:
+        asyncio.run(collect(router, max_tokens=10))
+    assert e.value.streamed and router.failed_over == 2
+    assert [len(engines[f"d{i}"].submitted) for i in range(4)] == [1, 1, 1, 0]
+    assert engines["d2"].submitted[0][0] == [1, 2, 3, 10, 11]
 
 
 def test_a_failed_state_read_is_retried_on_a_pair_without_that_prefill_engine():
