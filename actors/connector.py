@@ -18,6 +18,7 @@ On both sides the worker's main thread keeps its cores (the stock worker pins it
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import time
@@ -154,6 +155,8 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         self._pd_verify_passed: set[str] = set()
         self._pd_verify_failed: set[str] = set()
         self._pd_plant: int = 0  # reads still to corrupt on purpose after they land (pd_plant_corruption)
+        self._pd_handshake_delay = 0.0  # test hook (pd_set_handshake_delay)
+        self._pd_stale_dropped = 0  # handshakes whose agents were dropped because their plan was replaced meanwhile
 
     # ---- called through the worker extension -------------------------------------------------------------------
     def pd_registration(self) -> dict[str, Any]:
@@ -177,21 +180,32 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         ranks = data["prefill_ranks"]
         for r in ranks:
             r["agent_metadata"] = bytes.fromhex(r["agent_metadata"])
-        self._pd_pairs[prefill_engine_id] = pair
-        self._pd_remote[prefill_engine_id] = ranks
-        self._pd_drop_agents(prefill_engine_id)  # a re-negotiated pair must handshake again with its new plan
+        # vLLM's handshake thread reads the plan and installs the agents under this lock
+        with self._handshake_lock:
+            self._pd_pairs[prefill_engine_id] = pair
+            self._pd_remote[prefill_engine_id] = ranks
+            self._pd_drop_agents(prefill_engine_id)  # a re-negotiated pair must handshake again with its new plan
         return list(pair.remote_ranks(self.tp_rank))
 
     def pd_remove_pair(self, prefill_engine_id: str) -> None:
-        self._pd_pairs.pop(prefill_engine_id, None)
-        self._pd_remote.pop(prefill_engine_id, None)
-        self._pd_drop_agents(prefill_engine_id)
+        with self._handshake_lock:
+            self._pd_pairs.pop(prefill_engine_id, None)
+            self._pd_remote.pop(prefill_engine_id, None)
+            self._pd_drop_agents(prefill_engine_id)
+
+    def pd_set_handshake_delay(self, seconds: float) -> None:
+        """Test hook: make this rank's handshakes take `seconds` longer (to hit a re-negotiation mid-handshake)."""
+        self._pd_handshake_delay = float(seconds)
 
     def pd_remote_agents(self, prefill_engine_id: str) -> dict[str, bool]:
         """The NIXL agents of a prefill engine that this rank has loaded: agent name -> whether NIXL still holds
         its metadata (None of them once the pair is removed or re-negotiated, until the next read handshakes)."""
         return {name: self.nixl_wrapper.check_remote_metadata(name)
                 for name in self._remote_agents.get(prefill_engine_id, {}).values()}
+
+    def pd_stale_handshakes(self) -> int:
+        """How many handshakes completed under a plan replaced while they ran (their agents were dropped)."""
+        return self._pd_stale_dropped
 
     def pd_nixl_knows(self, agent_names: list[str]) -> list[bool]:
         """Whether NIXL still holds each named remote agent's metadata (a dropped agent must be gone from NIXL)."""
@@ -200,10 +214,36 @@ class PlannedPullWorker(NixlPullConnectorWorker):
     def _pd_drop_agents(self, prefill_engine_id: str) -> None:
         """Forget a prefill engine's NIXL agents: out of vLLM's table and out of NIXL (each would leak otherwise) -
         unless reads from it are still in flight, whose handles use them (vLLM's own clean-up waits for those too):
-        then they stay loaded in NIXL, as before this was fixed."""
-        agents = self._remote_agents.pop(prefill_engine_id, {})
+        then they stay loaded in NIXL, as before this was fixed. A handshake still running under the old plan has its
+        agents dropped when it completes (vLLM would otherwise install them after this, for the new plan's reads)."""
+        with self._handshake_lock:
+            running = self._handshake_futures.get(prefill_engine_id)
+            if running is not None:
+                running.add_done_callback(functools.partial(self._pd_drop_stale, prefill_engine_id))
+            agents = self._remote_agents.pop(prefill_engine_id, {})
+        self._pd_unload(prefill_engine_id, agents)
+
+    def _pd_drop_stale(self, prefill_engine_id: str, handshake: Any) -> None:
+        """A handshake made under a plan replaced while it ran has completed: vLLM's own callback (which runs first)
+        installed its agents; take them out again, so the next read handshakes under the current plan."""
+        try:
+            stale, _ = handshake.result()
+        except Exception:  # noqa: BLE001 - it failed: nothing was installed
+            return
+        with self._handshake_lock:
+            if self._remote_agents.get(prefill_engine_id) is not stale:
+                return
+            del self._remote_agents[prefill_engine_id]
+            self._pd_stale_dropped += 1
+        logger.warning("dropped the NIXL agents of %s from a handshake under a replaced plan", prefill_engine_id)
+        self._pd_unload(prefill_engine_id, stale)
+
+    def _pd_unload(self, prefill_engine_id: str, agents: dict[Any, str]) -> None:
+        """Remove agents from NIXL, unless reads from the engine are in flight or a newer handshake holds them."""
         if prefill_engine_id in self._engines_with_inflight_transfers():
             logger.warning("reads from %s in flight: its NIXL agents stay loaded", prefill_engine_id)
+            return
+        if prefill_engine_id in self._remote_agents:  # loaded again by a newer handshake (the same names): keep
             return
         for name in agents.values():
             try:
@@ -295,8 +335,11 @@ class PlannedPullWorker(NixlPullConnectorWorker):
 
     # ---- handshake: from the negotiated plan ---------------------------------------------------------------------
     def _nixl_handshake(self, host, port, remote_tp_size, expected_engine_id, *args, **kwargs):  # type: ignore[override]
-        pair = self._pd_pairs.get(expected_engine_id)
-        if pair is None:
+        if self._pd_handshake_delay:
+            time.sleep(self._pd_handshake_delay)
+        with self._handshake_lock:
+            pair, remote = self._pd_pairs.get(expected_engine_id), self._pd_remote.get(expected_engine_id)
+        if pair is None or remote is None:
             raise RuntimeError(
                 f"no negotiated plan for prefill engine {expected_engine_id!r}: the coordinator has not approved this "
                 "pair (register both engines with the coordinator first)"
@@ -318,7 +361,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         )
         agents = {}
         for r in pair.notify_ranks(self.tp_rank):
-            name = self.nixl_wrapper.add_remote_agent(self._pd_remote[expected_engine_id][r]["agent_metadata"])
+            name = self.nixl_wrapper.add_remote_agent(remote[r]["agent_metadata"])
             agents[(0, r)] = name.decode() if isinstance(name, bytes) else name
         return agents, 0.0
 
@@ -534,4 +577,5 @@ class PDWorkerExtension:
 
 PD_METHODS = frozenset({"pd_registration", "pd_install_pair", "pd_remove_pair", "pd_stats", "pd_release",
                         "pd_pending_sends", "pd_remote_agents", "pd_nixl_knows", "pd_set_verify", "pd_verify_poll",
-                        "pd_verify_done", "pd_checksums", "pd_plant_corruption"})
+                        "pd_verify_done", "pd_checksums", "pd_plant_corruption", "pd_set_handshake_delay",
+                        "pd_stale_handshakes"})

@@ -18,9 +18,9 @@ from cluster.layout import LayoutError, layout_from_report
 from cluster.planner import IncompatiblePair
 
 HEALTH_INTERVAL_S = float(os.environ.get("PD_HEALTH_INTERVAL_S", "2"))  # how often the coordinator checks engines
-HEALTH_TIMEOUT_S = 10.0
+HEALTH_TIMEOUT_S = 10.0  # an engine slower than this to answer is busy, not dead
 UNAVAILABLE_RECHECKS, UNAVAILABLE_RECHECK_S = 10, 0.25  # an unreachable engine is asked again for up to 2.5 s
-ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace  # an engine slower than this to answer is busy, not dead
+ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace
 log = logging.getLogger("pd.coordinator")
 
 
@@ -31,6 +31,10 @@ class CoordinatorActor:
         self.core = Coordinator()
         self.handles: dict[str, Any] = {}
         self.removed: list[dict[str, Any]] = []
+        # per engine, what it leaves on its node if killed (EngineActor.leftovers); removed there once it is dead
+        self.leftovers: dict[str, dict[str, Any]] = {}
+        self.cleaned: dict[str, list[str]] = {}
+        self._cleanups: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
         ctx = ray.get_runtime_context()
         self.namespace = namespace or ctx.namespace
@@ -125,6 +129,8 @@ class CoordinatorActor:
         # plans were being pushed, stays out of new requests
         if rec.engine_id in self.core.engines and self.core.engines[rec.engine_id].state == "joining":
             self.core.set_state(rec.engine_id, "draining" if registration.get("draining") else "ready")
+        if registration.get("leftovers"):
+            self.leftovers[rec.engine_id] = registration["leftovers"]
         log.info("registered %s (%s, TP %d); pairs %s", rec.engine_id, rec.role, layout.tp, pairs)
         return {"engine_id": rec.engine_id, "pairs": pairs}
 
@@ -182,6 +188,7 @@ class CoordinatorActor:
         pairs = [k for k in self.core.pairs if engine_id in k]
         self.core.deregister(engine_id)
         self.handles.pop(engine_id, None)
+        self.leftovers.pop(engine_id, None)
         if rec.role == "prefill":  # decode engines forget the departed prefill engine's agents
             await asyncio.gather(
                 *(self.handles[d].remove_pair.remote(engine_id) for _, d in pairs if d in self.handles), return_exceptions=True
@@ -202,6 +209,7 @@ class CoordinatorActor:
                 break
             except ActorDiedError as e:
                 why = f"dead ({type(e).__name__})"
+                self._clean_after(engine_id)
                 break
             except ActorUnavailableError:
                 # unreachable: right after a SIGKILL Ray says so until it has confirmed the death - ask again
@@ -217,6 +225,33 @@ class CoordinatorActor:
         self.removed.append({"engine_id": engine_id, "why": why, "time": time.time()})
         await self._deregister(engine_id)
         return True
+
+    def _clean_after(self, engine_id: str) -> None:
+        """Remove what a dead engine's processes left on its node (shared memory, TMPDIR) once they have exited."""
+        leftovers = self.leftovers.pop(engine_id, None)
+        if not leftovers:
+            return
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from actors.engine import clean_leftovers
+
+        ref = clean_leftovers.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(leftovers["node_id"], soft=False)).remote(leftovers)
+
+        async def wait() -> None:
+            try:
+                self.cleaned[engine_id] = await ref
+                log.info("removed what dead engine %s left: %s", engine_id, self.cleaned[engine_id])
+            except Exception as e:  # noqa: BLE001 - its node may be gone too
+                log.warning("could not clean up after dead engine %s: %s", engine_id, e)
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    def cleaned_up(self) -> dict[str, list[str]]:
+        """Per dead engine, the files and directories removed after it (shared memory, TMPDIR)."""
+        return dict(self.cleaned)
 
     async def _watch(self) -> None:
         """Check every registered engine every HEALTH_INTERVAL_S; the dead leave the registry."""

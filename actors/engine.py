@@ -277,6 +277,7 @@ class EngineActor:
         self._total_blocks = 0  # the block pool's size (all free right after start)
         self._usage = 0.0  # fraction of blocks in use, refreshed in the background (EngineCore may be mid-step)
         self._usage_task: asyncio.Task | None = None
+        self._usage_error: str | None = None  # why the last cache-usage refresh failed (None: it worked)
         # wall time this engine first served a request: a prefill engine's first prefill done, a decode engine's first
         # tokens out (engine warm-up excluded)
         self.first_served_at: float | None = None
@@ -358,12 +359,28 @@ class EngineActor:
 
     # ---- prefill/decode ------------------------------------------------------------------------------------------
     async def registration(self) -> dict[str, Any]:
-        """What the coordinator needs: every rank's NIXL agent metadata, region bases and run-time layout."""
+        """What the coordinator needs: every rank's NIXL agent metadata, region bases and run-time layout, and what
+        this engine would leave on its node if it were killed (`leftovers`)."""
         self._require_engine()
         ranks = await self._pd_call("pd_registration")
         hf_config = json.loads((Path(self.model_dir) / "config.json").read_text())
         return {"engine_id": self.engine_id, "role": self.role, "model": self.served_model, "hf_config": hf_config,
-                "ranks": sorted(ranks, key=lambda r: r["tp_rank"]), "draining": self.draining}
+                "ranks": sorted(ranks, key=lambda r: r["tp_rank"]), "draining": self.draining,
+                "leftovers": self.leftovers()}
+
+    def leftovers(self) -> dict[str, Any]:
+        """What this engine's processes leave behind when they are killed (a graceful `shutdown` removes it all): its
+        shared-memory files, its private TMPDIR, and the processes themselves as (pid, start time) - what
+        `clean_leftovers` needs, on this engine's node, once the engine is known dead."""
+        tree = _process_tree(self._me)
+        self._shm |= _shm_paths(tree)
+        procs = []
+        for p in tree:
+            try:
+                procs.append((p.pid, p.create_time()))
+            except psutil.NoSuchProcess:
+                pass
+        return {"node_id": self.node_id(), "shm": sorted(self._shm), "tmpdir": self.tmpdir, "procs": procs}
 
     async def _pd_call(self, method: str, *args: Any) -> list[Any]:
         """A connector method on every TP rank (`PDWorkerExtension.pd_call`); the ranks' values, in rank order, or
@@ -394,6 +411,16 @@ class EngineActor:
         """Per decode rank, the prefill engine's NIXL agents it has loaded (name -> NIXL still holds it)."""
         self._require_engine()
         return await self._pd_call("pd_remote_agents", prefill_engine_id)
+
+    async def set_handshake_delay(self, seconds: float) -> None:
+        """Test hook: every decode rank's NIXL handshakes take `seconds` longer."""
+        self._require_engine()
+        await self._pd_call("pd_set_handshake_delay", seconds)
+
+    async def stale_handshakes(self) -> list[int]:
+        """Per decode rank, handshakes whose agents were dropped because their pair was re-negotiated meanwhile."""
+        self._require_engine()
+        return await self._pd_call("pd_stale_handshakes")
 
     async def nixl_knows(self, agent_names: list[str]) -> list[list[bool]]:
         """Per decode rank, whether NIXL still holds each named remote agent."""
@@ -725,14 +752,24 @@ class EngineActor:
         the last background refresh: the scheduler answers between steps)."""
         if self.engine is not None and self._total_blocks and (self._usage_task is None or self._usage_task.done()):
             self._usage_task = asyncio.ensure_future(self._refresh_usage())
-        return {"queued_prompt_tokens": float(self._prefill_tokens), "running_requests": float(self._decodes),
-                "cache_usage": self._usage}
+        load = {"queued_prompt_tokens": float(self._prefill_tokens), "running_requests": float(self._decodes)}
+        if self._usage_error is None:  # unreadable is left out, not reported as an empty cache
+            load["cache_usage"] = self._usage
+        return load
 
     async def _refresh_usage(self) -> None:
         try:
             self._usage = max(0.0, 1.0 - await asyncio.wait_for(self.free_blocks(), 30) / self._total_blocks)
-        except Exception:  # noqa: BLE001 - keep the last value
-            pass
+        except Exception as e:  # noqa: BLE001 - reported, and the signal is withheld until it reads again
+            error = f"{type(e).__name__}: {e}"
+            if error != self._usage_error:
+                log.warning("engine %s cannot read its cache usage (%s): its load reports leave cache_usage out "
+                            "(its pool will not shrink on it) until it can", self.engine_id, error)
+            self._usage_error = error
+            return
+        if self._usage_error is not None:
+            log.warning("engine %s reads its cache usage again", self.engine_id)
+        self._usage_error = None
 
     def set_draining(self) -> None:
         """Refuse new prefill/decode requests from now on (what is in flight carries on)."""
@@ -838,6 +875,47 @@ class EngineActor:
             removed += [os.path.join(root, f) for f in files]
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         return removed
+
+
+LEFTOVER_WAIT_S = 60.0  # how long a dead engine's vLLM processes get to exit before its files are left alone
+
+
+@ray.remote(num_cpus=0)
+def clean_leftovers(leftovers: dict[str, Any]) -> list[str]:
+    """On a dead engine's node (run it there): once none of its processes runs any more (vLLM's exit by themselves
+    when the engine actor is gone; up to LEFTOVER_WAIT_S), remove the shared-memory files and the TMPDIR they left -
+    4 MiB of resident /dev/shm per CPU all-reduce segment, otherwise until reboot. Returns the removed paths; removes
+    nothing while any of the processes still runs."""
+
+    def running() -> bool:
+        for pid, started in leftovers["procs"]:
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - started) < 1e-3 and _running(p):
+                    return True
+            except psutil.NoSuchProcess:
+                continue
+        return False
+
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while running():
+        if time.monotonic() > deadline:
+            log.warning("a dead engine's processes still run after %.0f s: its files stay", LEFTOVER_WAIT_S)
+            return []
+        time.sleep(0.5)
+    removed = []
+    for path in leftovers["shm"]:
+        if os.path.dirname(path) == "/dev/shm" and os.path.basename(path).startswith(SHM_PREFIXES):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    tmpdir = leftovers.get("tmpdir") or ""
+    if os.path.basename(tmpdir).startswith(TMPDIR_PREFIX) and os.path.isdir(tmpdir):
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        removed.append(tmpdir)
+    return removed
 
 
 def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None) -> dict[str, str]:

@@ -125,10 +125,11 @@ class PoolPolicy:
         low = max(self.min, ctx.capacity_adjusted_min_replicas)
         high = max(low, min(self.max, ctx.capacity_adjusted_max_replicas))
         want = wanted(self.role, list(per_replica.values()), len(running), self.scaling, low, high)
-        if want.replicas < target and len(per_replica) < len(running):
-            # an engine that did not report is unknown, not idle: never shrink on partial data (growing on it is
-            # safe: the reporting engines' load is a lower bound)
-            want = Want(target, f"holding: {len(running) - len(per_replica)} of {len(running)} engines did not report "
+        # an engine that did not report (or left out a signal it could not read, e.g. its cache usage) is unknown, not
+        # idle: never shrink on partial data (growing on it is safe: the reporting engines' load is a lower bound)
+        complete = [r for r, load in per_replica.items() if all(name in load for name in SIGNALS[self.role])]
+        if want.replicas < target and len(complete) < len(running):
+            want = Want(target, f"holding: {len(running) - len(complete)} of {len(running)} engines did not report "
                                 f"their load ({want.reason})", want.signals)
         now = time.time()
         decision = self.hysteresis.step(self.role, want, target, now)

@@ -139,6 +139,14 @@ def test_pool_policy_never_shrinks_on_missing_reports(monkeypatch):
     assert n == 2 and state["reason"].startswith("holding: 1 of 2 engines did not report")
     partial_busy = {"running_requests": {"r1": 13.0}, "cache_usage": {"r1": 0.1}}
     assert [policy(ctx(2, ["r1", "r2"], partial_busy, hi=3))[0] for clock[0] in (100.0, 103.0)] == [2, 3]
+    # an engine that reports its sequences but could not read its cache usage (EngineActor leaves the signal out
+    # rather than report 0) is not known to be idle either
+    policy = PoolPolicy("decode", 1, 3, SCALING)
+    policy._report = lambda *a: None
+    no_usage = {"running_requests": {"r1": 0.0, "r2": 0.0}, "cache_usage": {"r1": 0.0}}
+    for clock[0] in range(200, 230, 5):
+        n, state = policy(ctx(2, ["r1", "r2"], no_usage, hi=3))
+    assert n == 2 and state["reason"].startswith("holding: 1 of 2 engines did not report"), state
 
 
 def test_a_full_cache_asks_for_one_engine_more_than_are_running_not_than_the_target(monkeypatch):

@@ -322,6 +322,31 @@ def test_a_renegotiated_pair_lets_go_of_its_nixl_agents(pd, reference):
     assert ray.get(decode.nixl_knows.remote(names)) == [[True] * len(names)] * 2
 
 
+def test_a_pair_renegotiated_during_its_handshake_drops_that_handshakes_agents(pd, reference):
+    """The pair's plan is installed again (a coordinator restart re-negotiates every pair) while a read's NIXL handshake
+    under the old plan is still running (slowed down here to 3 s so that it is): the handshake's agents, which vLLM
+    installs when it completes, are dropped again - the plan they were made for is gone - and the read handshakes
+    anew under the current plan. pd_install_pair now changes the plan under vLLM's handshake lock."""
+    decode = pd.engines[("decode", 2)]
+    payload = ray.get(pd.coordinator.pair_plan.remote("prefill-tp1", "decode-tp2"))
+    ray.get(decode.install_pair.remote("prefill-tp1", payload))  # no agents loaded: the next read handshakes
+    before = ray.get(decode.stale_handshakes.remote())
+    ray.get(decode.set_handshake_delay.remote(3.0))
+
+    async def renegotiated_mid_handshake():
+        read = asyncio.ensure_future(run_pair(pd.router, "prefill-tp1", "decode-tp2", prompts()[2]))
+        await asyncio.sleep(1.5)  # the read's handshake is under way
+        await decode.install_pair.remote("prefill-tp1", payload)
+        return await read
+
+    try:
+        assert asyncio.run(renegotiated_mid_handshake()) == reference[2]
+    finally:
+        ray.get(decode.set_handshake_delay.remote(0.0))
+    assert [a - b for a, b in zip(ray.get(decode.stale_handshakes.remote()), before)] == [1, 1]
+    assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
+
+
 def test_a_read_that_cannot_be_assembled_fails_its_request_not_the_engine(pd, reference):
     """An exception while the decode worker turns a plan into descriptors (here a plan whose prefill ranks list no
     region addresses) happens inside vLLM's engine step, which does not guard it: it used to end the EngineCore.

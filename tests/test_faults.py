@@ -138,6 +138,8 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     want = [complete(url, p)["choices"][0]["text"] for p in prompts]  # both engines healthy: the reference
 
     victim = decodes[0]
+    left = ray.get(served.engines[victim].leftovers.remote())  # what its processes would leave if killed
+    assert left["shm"] and os.path.isdir(left["tmpdir"])
     children = kill_engine(served, victim)
     t_kill = time.monotonic()
     seen: dict[str, list[float]] = {}  # prefill request id -> [first, last] time its blocks were seen held
@@ -171,6 +173,12 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     assert victim in [r["engine_id"] for r in removed]
     assert httpx.get(f"{url}/health").status_code == 200
     assert reap(children) == []
+    # a SIGKILLed engine's shared memory (4 MiB resident per CPU all-reduce segment) and TMPDIR outlived it before
+    # the coordinator removed them once the engine was confirmed dead and its processes gone
+    gone = wait_for(lambda: not any(os.path.exists(p) for p in left["shm"] + [left["tmpdir"]]), 60)
+    print(f"{victim}'s {len(left['shm'])} shared-memory files and TMPDIR removed {gone:.2f} s after the requests")
+    removed = set(ray.get(served.coordinator.cleaned_up.remote())[victim])  # some may go with their own process
+    assert left["tmpdir"] in removed and removed <= set(left["shm"]) | {left["tmpdir"]} and len(removed) >= 2
     served.engines.pop(victim)
     assert_no_leaked_blocks(served)
 
