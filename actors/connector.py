@@ -18,7 +18,6 @@ On both sides the worker's main thread keeps its cores (the stock worker pins it
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import os
 import time
@@ -37,7 +36,7 @@ from vllm.logger import init_logger
 from actors.engine_report import report_from_vllm
 from actors.nixl_setup import install_progress_delay
 from cluster.planner import PairPlan, RequestPlan, plan_request
-from cluster.verify import VERIFY_ENV, sampled, verify_fraction
+from cluster.verify import VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
 from cluster.wire import pair_from_dict
 
 logger = init_logger(__name__)
@@ -90,7 +89,6 @@ check_vllm_internals()
 
 install_progress_delay()  # before vLLM creates this worker's NIXL agent (see actors/nixl_setup.py)
 
-VERIFY_TIMEOUT_S = 30.0  # a verified read whose verdict has not come by then fails its request
 
 
 def range_crc(addresses: Any, lengths: Any, crc: int = 0) -> int:
@@ -157,6 +155,9 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         self._pd_plant: int = 0  # reads still to corrupt on purpose after they land (pd_plant_corruption)
         self._pd_handshake_delay = 0.0  # test hook (pd_set_handshake_delay)
         self._pd_stale_dropped = 0  # handshakes whose agents were dropped because their plan was replaced meanwhile
+        # per prefill engine: the generation of its installed plan, and the one its loaded agents were made under
+        self._pd_plan_gen: dict[str, int] = {}
+        self._pd_agents_gen: dict[str, int] = {}
 
     # ---- called through the worker extension -------------------------------------------------------------------
     def pd_registration(self) -> dict[str, Any]:
@@ -184,6 +185,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         with self._handshake_lock:
             self._pd_pairs[prefill_engine_id] = pair
             self._pd_remote[prefill_engine_id] = ranks
+            self._pd_plan_gen[prefill_engine_id] = self._pd_plan_gen.get(prefill_engine_id, 0) + 1
             self._pd_drop_agents(prefill_engine_id)  # a re-negotiated pair must handshake again with its new plan
         return list(pair.remote_ranks(self.tp_rank))
 
@@ -191,6 +193,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         with self._handshake_lock:
             self._pd_pairs.pop(prefill_engine_id, None)
             self._pd_remote.pop(prefill_engine_id, None)
+            self._pd_plan_gen[prefill_engine_id] = self._pd_plan_gen.get(prefill_engine_id, 0) + 1
             self._pd_drop_agents(prefill_engine_id)
 
     def pd_set_handshake_delay(self, seconds: float) -> None:
@@ -214,36 +217,14 @@ class PlannedPullWorker(NixlPullConnectorWorker):
     def _pd_drop_agents(self, prefill_engine_id: str) -> None:
         """Forget a prefill engine's NIXL agents: out of vLLM's table and out of NIXL (each would leak otherwise) -
         unless reads from it are still in flight, whose handles use them (vLLM's own clean-up waits for those too):
-        then they stay loaded in NIXL, as before this was fixed. A handshake still running under the old plan has its
-        agents dropped when it completes (vLLM would otherwise install them after this, for the new plan's reads)."""
+        then they stay loaded in NIXL, as before this was fixed. (A handshake still running under the old plan may
+        install its agents after this: the next read sees that they belong to a replaced plan, `_read_blocks_for_req`.)"""
         with self._handshake_lock:
-            running = self._handshake_futures.get(prefill_engine_id)
-            if running is not None:
-                running.add_done_callback(functools.partial(self._pd_drop_stale, prefill_engine_id))
             agents = self._remote_agents.pop(prefill_engine_id, {})
-        self._pd_unload(prefill_engine_id, agents)
-
-    def _pd_drop_stale(self, prefill_engine_id: str, handshake: Any) -> None:
-        """A handshake made under a plan replaced while it ran has completed: vLLM's own callback (which runs first)
-        installed its agents; take them out again, so the next read handshakes under the current plan."""
-        try:
-            stale, _ = handshake.result()
-        except Exception:  # noqa: BLE001 - it failed: nothing was installed
-            return
-        with self._handshake_lock:
-            if self._remote_agents.get(prefill_engine_id) is not stale:
-                return
-            del self._remote_agents[prefill_engine_id]
-            self._pd_stale_dropped += 1
-        logger.warning("dropped the NIXL agents of %s from a handshake under a replaced plan", prefill_engine_id)
-        self._pd_unload(prefill_engine_id, stale)
-
-    def _pd_unload(self, prefill_engine_id: str, agents: dict[Any, str]) -> None:
-        """Remove agents from NIXL, unless reads from the engine are in flight or a newer handshake holds them."""
-        if prefill_engine_id in self._engines_with_inflight_transfers():
+        held = {spec["prefill_engine"] for spec in (*self._pd_verify_reads.values(), *self._pd_verify_ready.values(),
+                                                    *self._pd_verify_waiting.values())}  # their notifications wait
+        if prefill_engine_id in self._engines_with_inflight_transfers() or prefill_engine_id in held:
             logger.warning("reads from %s in flight: its NIXL agents stay loaded", prefill_engine_id)
-            return
-        if prefill_engine_id in self._remote_agents:  # loaded again by a newer handshake (the same names): keep
             return
         for name in agents.values():
             try:
@@ -335,10 +316,11 @@ class PlannedPullWorker(NixlPullConnectorWorker):
 
     # ---- handshake: from the negotiated plan ---------------------------------------------------------------------
     def _nixl_handshake(self, host, port, remote_tp_size, expected_engine_id, *args, **kwargs):  # type: ignore[override]
-        if self._pd_handshake_delay:
-            time.sleep(self._pd_handshake_delay)
         with self._handshake_lock:
             pair, remote = self._pd_pairs.get(expected_engine_id), self._pd_remote.get(expected_engine_id)
+            generation = self._pd_plan_gen.get(expected_engine_id, 0)
+        if self._pd_handshake_delay:  # test hook: a handshake slow after it took its plan
+            time.sleep(self._pd_handshake_delay)
         if pair is None or remote is None:
             raise RuntimeError(
                 f"no negotiated plan for prefill engine {expected_engine_id!r}: the coordinator has not approved this "
@@ -363,6 +345,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         for r in pair.notify_ranks(self.tp_rank):
             name = self.nixl_wrapper.add_remote_agent(remote[r]["agent_metadata"])
             agents[(0, r)] = name.decode() if isinstance(name, bytes) else name
+        self._pd_agents_gen[expected_engine_id] = generation
         return agents, 0.0
 
     # ---- reads: the planner's descriptors ----------------------------------------------------------------------
@@ -371,10 +354,22 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         if engine_id in self._invalid_remote_engines:
             self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
             return
+        with self._handshake_lock:
+            if (engine_id in self._remote_agents
+                    and self._pd_agents_gen.get(engine_id) != self._pd_plan_gen.get(engine_id, 0)):
+                # loaded by a handshake that ran while the pair's plan was replaced: made for the old plan
+                del self._remote_agents[engine_id]
+                self._pd_stale_dropped += 1
+                logger.warning("NIXL agents of %s were loaded under a replaced plan: handshaking again", engine_id)
         if engine_id not in self._remote_agents:
             self._background_nixl_handshake(req_id, engine_id, meta)
             return
         self._engine_last_active[engine_id] = time.perf_counter()
+        if not any(len(g) for g in meta.local_block_ids):
+            # an aborted request's clean-up (or a full local hit): nothing to read and no completion to report -
+            # vLLM keeps no receive record for it - only the prefill side to tell that it may free the blocks
+            self._pd_notify_only(engine_id, meta)
+            return
         self._recving_transfers.setdefault(req_id, [])
         t0 = time.perf_counter()
         # Everything below runs inside vLLM's engine step, which does not guard it: an exception here would end the
@@ -442,6 +437,19 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             "plan_us": round(plan_us, 1),
             "t0": t0,
         }
+
+    def _pd_notify_only(self, engine_id: str, meta: Any) -> None:
+        pair = self._pd_pairs.get(engine_id)
+        if pair is None:
+            return
+        consumers = pair.consumers()
+        for r in pair.notify_ranks(self.tp_rank):
+            try:
+                self.nixl_wrapper.send_notif(self._remote_agents[engine_id][(0, r)],
+                                             notif_msg=f"{meta.remote.request_id}:{consumers[r]}".encode())
+            except Exception as e:  # noqa: BLE001 - the prefill side's lease frees the blocks instead
+                logger.warning("could not tell %s rank %d that %s needs nothing: %s", engine_id, r,
+                               meta.remote.request_id, e)
 
     def _pd_rows(self, engine_id: str, pair: PairPlan, plan: RequestPlan,
                  checks: list[tuple[int, int, np.ndarray]] | None = None) -> dict[int, np.ndarray]:

@@ -36,7 +36,7 @@ import psutil
 import ray
 import zmq
 
-from cluster.verify import TRANSFER_VERIFY_FAILED, VERIFY_ENV, sampled, verify_fraction
+from cluster.verify import TRANSFER_VERIFY_FAILED, VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
 
 CPU_BIND = {1: "0-1", 2: "0|1", 4: "0|1|0|1"}  # VLLM_CPU_OMP_THREADS_BIND per TP size on the 2-core machines
 # /dev/shm files an engine's processes create and leak when a worker is killed (SIGTERMed NIXL workers):
@@ -265,6 +265,7 @@ class EngineActor:
         self._verify_seen: dict[str, float] = {}
         self._verify_failed: dict[str, str] = {}
         self._verify_task: asyncio.Task | None = None
+        self._verify_grace_until = 0.0
         self._verify_ms: list[float] = []
         self._coordinator: Any = None
         self._me = psutil.Process()
@@ -464,6 +465,9 @@ class EngineActor:
         fraction = verify_fraction(fraction)
         await self._pd_call("pd_set_verify", fraction)  # the workers first: they hold a sampled read for the actor
         self.verify = fraction
+        if fraction:  # requests submitted before the change may be read after it: watch the workers a while
+            self._verify_grace_until = time.monotonic() + VERIFY_TIMEOUT_S
+            self._expect_verify(None)
 
     async def plant_corruption(self, count: int = 1, rank: int = 0) -> None:
         """Test hook: flip a byte of each of the next `count` verified reads on decode rank `rank` right after it
@@ -476,8 +480,9 @@ class EngineActor:
         out, self._verify_ms = self._verify_ms, []
         return out
 
-    def _expect_verify(self, remote_request_id: str) -> None:
-        self._verify_expected.add(remote_request_id)
+    def _expect_verify(self, remote_request_id: str | None) -> None:
+        if remote_request_id is not None:
+            self._verify_expected.add(remote_request_id)
         if self._verify_task is None or self._verify_task.done():
             self._verify_task = asyncio.get_running_loop().create_task(self._verify_loop())
 
@@ -485,8 +490,6 @@ class EngineActor:
         """Collect landed verified reads from every rank, check each request once all its ranks' reads are in, and
         send the verdicts; runs while requests are expected or the workers hold any. A failure here leaves the
         workers' own timeout (VERIFY_TIMEOUT_S) to fail the requests: never a pass without a check."""
-        from actors.connector import VERIFY_TIMEOUT_S
-
         try:
             while True:
                 polls = await self._pd_call("pd_verify_poll")
@@ -495,16 +498,17 @@ class EngineActor:
                     for entry in poll["ready"]:
                         self._verify_parts.setdefault(entry["req_id"], {})[rank] = entry
                         self._verify_seen.setdefault(entry["req_id"], now)
-                complete = {r: parts for r, parts in self._verify_parts.items() if len(parts) == self.tp}
                 for req_id in [r for r in self._verify_parts if now - self._verify_seen[r] > VERIFY_TIMEOUT_S]:
                     del self._verify_parts[req_id]  # a rank's read failed: the request fails without a verdict
                     self._verify_seen.pop(req_id, None)
+                complete = {r: parts for r, parts in self._verify_parts.items() if len(parts) == self.tp}
                 if complete:
                     for req_id in complete:
                         del self._verify_parts[req_id]
                     await self._pd_call("pd_verify_done", await self._verdicts(complete))
                     continue
-                if not (self._verify_expected or self._verify_parts or any(p["pending"] for p in polls)):
+                if not (self._verify_expected or self._verify_parts or any(p["pending"] for p in polls)
+                        or time.monotonic() < self._verify_grace_until):
                     return
                 await asyncio.sleep(VERIFY_POLL_S)
         except Exception as e:  # noqa: BLE001 - the workers fail what they hold once its verdict is overdue
@@ -523,16 +527,20 @@ class EngineActor:
                     for p_rank, region, offsets, lengths, crc in part["checks"]:
                         items.append((p_rank, region, offsets, lengths))
                         expect.append((req_id, d_rank, p_rank, region, sum(lengths), crc))
+            unverifiable = None
             try:
                 got = await self._prefill_checksums(prefill_id, items)
             except Exception as e:  # noqa: BLE001 - unverifiable is not verified
-                got = {}
-                log.error("transfer verify: no checksums from prefill engine %s: %s: %s", prefill_id, type(e).__name__, e)
+                got, unverifiable = {}, f"no checksums from prefill engine {prefill_id} ({type(e).__name__}: {e})"
+                log.error("transfer verify: %s", unverifiable)
             bad: dict[str, list[str]] = {}
             for i, (req_id, d_rank, p_rank, region, nbytes, crc) in enumerate(expect):
-                if got.get(i) != crc:
+                if unverifiable is not None:
+                    bad[req_id] = [f"could not be checked: {unverifiable}"]
+                elif got.get(i) != crc:
                     bad.setdefault(req_id, []).append(
-                        f"region {region} (decode rank {d_rank} from prefill rank {p_rank}, {nbytes} bytes)")
+                        f"region {region} (decode rank {d_rank} from prefill rank {p_rank}, {nbytes} bytes) differs "
+                        "from the prefill side")
             now = time.monotonic()
             for req_id in req_ids:
                 remote_id = complete[req_id][0]["remote_request_id"]
@@ -543,8 +551,8 @@ class EngineActor:
                 self._totals["verify_seconds"] += ms / 1e3
                 if req_id in bad:
                     what = "; ".join(bad[req_id])
-                    log.error("transfer verify failed: request %s, pair %s -> %s: %s differ from the prefill side",
-                              remote_id, prefill_id, self.engine_id, what)
+                    log.error("transfer verify failed: request %s, pair %s -> %s: %s", remote_id, prefill_id,
+                              self.engine_id, what)
                     self._totals["verify_failures"] += 1
                     self._verify_failed[remote_id] = f"pair {prefill_id} -> {self.engine_id}: {what}"
                     while len(self._verify_failed) > VERIFY_FAILED_KEPT:
@@ -556,7 +564,7 @@ class EngineActor:
     async def _prefill_checksums(self, prefill_id: str, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
         if self._coordinator is None:
             raise RuntimeError("this engine has not registered with a coordinator")
-        handle = await self._coordinator.handle.remote(prefill_id)
+        handle = await asyncio.wait_for(self._coordinator.handle.remote(prefill_id), 10)
         if handle is None:
             raise RuntimeError(f"prefill engine {prefill_id} has left")
         return await asyncio.wait_for(handle.checksums.remote(items), 10)
@@ -642,6 +650,7 @@ class EngineActor:
                 self._expect_verify(kv_transfer_params["remote_request_id"])
         params = SamplingParams(**sampling, extra_args=extra or None, output_kind=RequestOutputKind.DELTA)
         self._decodes += 1
+        verified = (kv_transfer_params or {}).get("remote_request_id")
         try:
             async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
                 c = output.outputs[0]
@@ -654,6 +663,7 @@ class EngineActor:
                 yield item
         finally:
             self._decodes -= 1
+            self._verify_expected.discard(verified)
 
     # ---- decode channels: a front end's outputs from this engine, batched --------------------------------------
     async def decode_channel(self, channel_id: str, address: str | None = None):

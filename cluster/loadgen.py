@@ -65,8 +65,9 @@ def _retry_after(r: httpx.Response) -> float | None:
         return None
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: LoadResult) -> float:
-    """One streamed request, classified into `res`; returns the seconds to wait before the next one (Retry-After)."""
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: LoadResult) -> float | None:
+    """One streamed request, classified into `res`; returns the seconds to wait before the next one (Retry-After of
+    a clean 503), else None."""
     res.requests += 1
     t0 = time.perf_counter()
     last = None
@@ -87,24 +88,24 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: L
                 return _retry_after(r)
             if 400 <= r.status_code < 500:
                 outcome("refused_4xx", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                return 0.0
+                return None
             if r.status_code != 200:
                 outcome("malformed", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                return 0.0
+                return None
             accepted = True
             async for line in r.aiter_lines():
                 if not line:
                     continue
                 if not line.startswith("data: "):
                     outcome("malformed", f"not an SSE data line: {line[:100]!r}")
-                    return 0.0
+                    return None
                 if line == "data: [DONE]":
                     done = True
                     continue
                 obj = json.loads(line[6:])
                 if "error" in obj:
                     outcome("failed_midstream", f"error event after {chunks} chunks: {obj['error'].get('message')}")
-                    return 0.0
+                    return None
                 ids.add(obj["id"])
                 if obj.get("usage"):
                     n_usage = obj["usage"]["completion_tokens"]
@@ -118,13 +119,13 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: L
                     chunks += 1
     except Exception as e:  # noqa: BLE001 - a transport failure of one request
         outcome("malformed", f"{type(e).__name__}: {e}")
-        return 0.0
+        return None
     if not done or len(ids) != 1 or n_usage != body["max_tokens"]:
         outcome("malformed", f"done={done} ids={len(ids)} usage={n_usage} chunks={chunks}")
-        return 0.0
+        return None
     outcome("complete")
     res.tokens += n_usage
-    return 0.0
+    return None
 
 
 async def run_load(url: str, model: str, clients: int = 32, duration_s: float = 60.0, max_tokens: int = 32,
@@ -143,8 +144,8 @@ async def run_load(url: str, model: str, clients: int = 32, duration_s: float = 
             body = {"model": model, "prompt": [1] + [rng.randrange(3, 1000) for _ in range(n)], "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             wait = await _one(client, url, body, res)
-            if wait:  # honour Retry-After, with jitter so that the clients do not come back in lockstep
-                await asyncio.sleep(min(wait * rng.uniform(0.5, 1.5), max(0.0, deadline - time.perf_counter())))
+            if wait is not None:  # honour Retry-After (at least 50 ms), with jitter: clients must not come back in lockstep
+                await asyncio.sleep(min(max(wait, 0.05) * rng.uniform(0.5, 1.5), max(0.0, deadline - time.perf_counter())))
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, headers=headers) as client:

@@ -329,6 +329,8 @@ class Router:
                 if not hasattr(out, "outputs"):  # a DecodeError: the request failed inside the engine
                     raise EngineFailure("decode", d_id, f"{out.kind}: {out.message}", streamed=streamed)
                 reason = out.outputs[0].finish_reason if out.outputs else None
+                if reason == "error" and (prefilled is None or streamed):  # not a state read: this engine failed it
+                    raise EngineFailure("decode", d_id, "the engine ended the request with an error", streamed=streamed)
                 if reason == "error":
                     # vLLM ends a request whose prompt state could not be read (kv_load_failure_policy "fail"): the
                     # prefill engine left or died after its prefill. A clean failure, retried on another pair.
@@ -417,13 +419,16 @@ def continuation_refused(params: Any) -> str | None:
     from `seed + tokens sent` (deterministic, but not the tokens the first engine would have drawn); unseeded sampling
     keeps its distribution. Refused where the continuation would be another request: presence/frequency penalties
     (they count only generated tokens, and the sent ones become prompt), structured output (its grammar state would
-    restart), and outputs that are not deltas."""
+    restart), stop strings (the engine holds back the text that may begin one: it died with the engine), and outputs
+    that are not deltas."""
     if not _is_delta(params):
         return "its outputs are not deltas"
     if params.presence_penalty or params.frequency_penalty:
         return "presence/frequency penalties would count the tokens already sent as prompt"
     if getattr(params, "structured_outputs", None) is not None:
         return "structured output would restart its grammar"
+    if params.stop:
+        return "stop strings: the engine holds back text that might start one, and that text died with it"
     return None
 
 

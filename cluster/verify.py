@@ -14,6 +14,7 @@ from __future__ import annotations
 import zlib
 
 VERIFY_ENV = "PD_TRANSFER_VERIFY"  # the decode engine's fraction of requests to verify (its actor and workers read it)
+VERIFY_TIMEOUT_S = 30.0  # a verified read whose verdict has not come by then fails its request
 TRANSFER_VERIFY_FAILED = "TransferVerifyFailed"  # the kind of a decode engine's error for a request that failed it
 
 

@@ -125,27 +125,45 @@ def test_transfer_statistics(pd, reference):
     assert len(ray.get(pd.coordinator.transfer_stats.remote(stats[0]["request_id"]))) == 2
 
 
-def test_wrong_physical_blocks_per_logical_changes_output(pd, reference):
-    """Not decoration: re-register the TP 1 prefill engine with its kernel block halved (physical_blocks_per_logical
-    2 instead of 1). The decode side then reads by that plan and its output no longer matches; restoring the true
-    registration restores it."""
+def test_the_data_path_reads_by_the_negotiated_layout(pd, reference):
+    """Not decoration: re-register the TP 1 prefill engine with a wrong layout. Its kernel block halved
+    (physical_blocks_per_logical 2 instead of 1) is refused outright - CPU attention pages cannot be remapped between
+    kernel block sizes. Its page size doubled is a layout the coordinator can plan with: the decode side then reads
+    by that plan, and its answers are no longer right (wrong tokens, or reads the prefill side's memory refuses);
+    restoring the true registration restores them."""
+    from cluster.router import EngineFailure
+
     engine = pd.engines[("prefill", 1)]
     reg = ray.get(engine.registration.remote())
-    wrong = copy.deepcopy(reg)
-    for rank in wrong["ranks"]:
-        rank["layout"]["kernel_block_size"] //= 2
     long_prompts = prompts(seed=9, lengths=(300, 500))
     expected = [oracle(p) for p in long_prompts]
+
+    async def answers():
+        out = []
+        for p in long_prompts:
+            try:
+                out.append(await run_pair(pd.router, "prefill-tp1", "decode-tp2", p))
+            except EngineFailure as e:
+                out.append(str(e))
+        return out
+
     try:
         ray.get(pd.coordinator.deregister.remote("prefill-tp1"))
-        ray.get(engine.register.remote(pd.coordinator, wrong))
-        outs = gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in long_prompts)
-        assert outs != expected
+        halved = copy.deepcopy(reg)
+        for rank in halved["ranks"]:
+            rank["layout"]["kernel_block_size"] //= 2
+        with pytest.raises(RegistrationError, match=r"kernel_block_size: prefill has 64, decode has 128; vLLM's CPU"):
+            ray.get(engine.register.remote(pd.coordinator, halved))
+        doubled = copy.deepcopy(reg)
+        for rank in doubled["ranks"]:
+            rank["layout"]["page_bytes"] *= 2
+        ray.get(engine.register.remote(pd.coordinator, doubled))
+        wrong = asyncio.run(answers())
+        assert all(w != e for w, e in zip(wrong, expected)), wrong
     finally:
         ray.get(pd.coordinator.deregister.remote("prefill-tp1"))
         ray.get(engine.register.remote(pd.coordinator, reg))
-    outs = gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in long_prompts)
-    assert outs == expected
+    assert asyncio.run(answers()) == expected
 
 
 def test_incompatible_dtype_refused_naming_the_field(pd):

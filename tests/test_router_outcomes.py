@@ -97,15 +97,31 @@ def test_an_aborted_request_is_never_a_short_answer_it_continues_elsewhere():
     assert (params.max_tokens, params.seed) == (1, 42) and router.failed_over == 1 and router.retried == 0
 
 
-def test_a_continuation_that_would_be_another_request_is_refused():
-    """Presence/frequency penalties count generated tokens only: the tokens sent would become prompt, so the
-    continuation would not be the request the caller asked for. The stream ends with a clear error instead."""
-    for sampling in ({"presence_penalty": 0.5}, {"frequency_penalty": 0.5}):
-        d = FakeEngine([tokens(5), ABORT])
-        router = Router(FakeCoordinator({"p": FakeEngine([tokens(7)]), "d": d}, [("p", "d")]))
-        with pytest.raises(EngineFailure, match="the engine aborted.*not continued elsewhere: presence/frequency") as e:
-            asyncio.run(collect(router, **sampling))
-        assert e.value.streamed and router.failed_over == 0
+@pytest.mark.parametrize("sampling, why", [
+    ({"presence_penalty": 0.5}, "presence/frequency"), ({"frequency_penalty": 0.5}, "presence/frequency"),
+    ({"stop": ["zz"]}, "stop strings: the engine holds back text")])
+def test_a_continuation_that_would_be_another_request_is_refused(sampling, why):
+    """Presence/frequency penalties count generated tokens only (the tokens sent would become prompt); with stop
+    strings the engine held back text that may begin one, and it died with the engine: the continuation would not be
+    the request the caller asked for. The stream ends with a clear error instead."""
+    d = FakeEngine([tokens(5), ABORT])
+    router = Router(FakeCoordinator({"p": FakeEngine([tokens(7)]), "d": d}, [("p", "d")]))
+    with pytest.raises(EngineFailure, match=f"the engine aborted.*not continued elsewhere: {why}") as e:
+        asyncio.run(collect(router, **sampling))
+    assert e.value.streamed and router.failed_over == 0
+
+
+def test_an_error_from_an_engine_serving_whole_requests_is_that_engines_failure():
+    """In degraded mode (no pair ready) the prefill engine runs a request whole; if it ends the request with an error
+    that is its own failure - not a state read from a prefill engine - and the retry avoids it."""
+    alone = FakeEngine([{"token_ids": [], "text": "", "finish_reason": "error"}])
+    coordinator = FakeCoordinator({"p": alone}, [])
+    coordinator.routes = SimpleNamespace(remote=lambda: _ready({"p": []}))
+    coordinator.ready = SimpleNamespace(remote=lambda role: _ready(["p"] if role == "prefill" else []))
+    router = Router(coordinator)
+    with pytest.raises(Exception, match="no prefill or decode engine is registered and ready"):
+        asyncio.run(collect(router))
+    assert coordinator.reported == ["p"] and router.retried == 1
 
 
 def test_failover_is_bounded():
