@@ -70,6 +70,7 @@ class PoolWatch:
         self.cluster = cluster
         self.samples: list[tuple[float, dict[str, int]]] = []
         self.pids: dict[str, list[int]] = {}
+        self.started: dict[str, dict[int, float | None]] = {}  # engine -> pid -> its start time (pids get reused)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -89,6 +90,7 @@ class PoolWatch:
                 if engine_id not in self.pids:
                     try:
                         self.pids[engine_id] = ray.get(engine_actor(engine_id, ns).pids.remote(), timeout=10)
+                        self.started[engine_id] = {p: _started(p) for p in self.pids[engine_id]}
                     except Exception:  # noqa: BLE001 - try again next sample
                         pass
             self.samples.append((time.time(), count))
@@ -301,14 +303,22 @@ def test_metrics_show_pool_sizes_and_decisions(scaled):
     assert 'direction="down"' in text.split("pd_pool_last_scaling_decision_timestamp_seconds{")[1]
 
 
+def _started(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
 def assert_left_cleanly(cluster, role: str, since: float) -> None:
     """The engine that left: deregistered (no pair names it) and none of its processes alive."""
     leave = next(l for l in events(cluster)["leaves"] if l["role"] == role and l["started"] >= since)
     desc = ray.get(cluster.coordinator.describe.remote())
     assert leave["engine_id"] not in desc["engines"]
     assert all(leave["engine_id"] not in (p["prefill"], p["decode"]) for p in desc["pairs"])
+    started = cluster.watch.started.get(leave["engine_id"], {})
     alive = [p for p in cluster.watch.pids.get(leave["engine_id"], []) if psutil.pid_exists(p) and
-             psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+             psutil.Process(p).status() != psutil.STATUS_ZOMBIE and _started(p) == started.get(p)]  # not a reused pid
     assert cluster.watch.pids.get(leave["engine_id"]), "never saw the leaving engine's processes"
     assert not alive, f"processes of {leave['engine_id']} outlived it: {alive}"
 
