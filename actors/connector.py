@@ -18,6 +18,7 @@ On both sides the worker's main thread keeps its cores (the stock worker pins it
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import time
@@ -100,6 +101,12 @@ def range_crc(addresses: Any, lengths: Any, crc: int = 0) -> int:
     return crc
 
 
+def _read_done(meta: Any, consumers: dict[int, int], rank: int) -> bytes:
+    """The notification that tells prefill rank `rank` this decode rank is done with a request's blocks (with how
+    many decode ranks it waits for, vLLM's "request id:consumers" message)."""
+    return f"{meta.remote.request_id}:{consumers[rank]}".encode()
+
+
 def _pd_free_blocks(self: Any) -> int:
     """EngineCore utility (called through AsyncLLM's utility channel): free blocks in the scheduler's block pool."""
     return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -170,7 +177,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             "region_bases": bases,
             "device_id": int(self.device_id),
             "memory_type": self.nixl_memory_type,
-            "layout": report_from_vllm(self.vllm_config, self.kv_cache_config, kernel_block_size=self.block_size),
+            "layout": self._pd_own_layout,
         }
 
     def pd_install_pair(self, prefill_engine_id: str, payload: str) -> list[int]:
@@ -232,10 +239,15 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             except Exception:  # noqa: BLE001 - already gone
                 pass
 
+    @functools.cached_property
+    def _pd_own_layout(self) -> dict[str, Any]:
+        """This engine's run-time layout (read out of vLLM once: it does not change while the engine runs)."""
+        return report_from_vllm(self.vllm_config, self.kv_cache_config, kernel_block_size=self.block_size)
+
     def _pd_check_own_layout(self, pair: PairPlan) -> None:
         """A plan's decode side must be this engine's layout as it runs: reads computed for another layout would
         land in other requests' blocks. Refused with the field that differs."""
-        mine = report_from_vllm(self.vllm_config, self.kv_cache_config, kernel_block_size=self.block_size)
+        mine = self._pd_own_layout
         d = pair.decode
         for name, planned, actual in (
             ("tp", d.tp, self.world_size),
@@ -296,8 +308,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         if self.nixl_memory_type != "DRAM":
             raise ValueError(f"checksums read the cache with the CPU: they need DRAM caches, not {self.nixl_memory_type}")
         bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
-        page = report_from_vllm(self.vllm_config, self.kv_cache_config, kernel_block_size=self.block_size)["page_bytes"]
-        extent = self._logical_num_blocks * page
+        extent = self._logical_num_blocks * self._pd_own_layout["page_bytes"]
         out = {}
         for i, (rank, region, offsets, lengths) in enumerate(items):
             if rank != self.tp_rank:
@@ -394,7 +405,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             handle = None
             try:
                 agent = self._remote_agents[engine_id][(0, r)]
-                notif = f"{meta.remote.request_id}:{consumers[r]}".encode()
+                notif = _read_done(meta, consumers, r)
                 if verify:  # the prefill side keeps the blocks until the verdict (vLLM sends these on success)
                     self._pending_recv_notifs.setdefault(req_id, []).append((agent, notif))
                     notif = b""
@@ -446,7 +457,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         for r in pair.notify_ranks(self.tp_rank):
             try:
                 self.nixl_wrapper.send_notif(self._remote_agents[engine_id][(0, r)],
-                                             notif_msg=f"{meta.remote.request_id}:{consumers[r]}".encode())
+                                             notif_msg=_read_done(meta, consumers, r))
             except Exception as e:  # noqa: BLE001 - the prefill side's lease frees the blocks instead
                 logger.warning("could not tell %s rank %d that %s needs nothing: %s", engine_id, r,
                                meta.remote.request_id, e)

@@ -480,6 +480,15 @@ class EngineActor:
         out, self._verify_ms = self._verify_ms, []
         return out
 
+    def _expect_verify_of(self, kv_transfer_params: dict[str, Any]) -> str | None:
+        """A request about to read its state: if transfer.verify samples it, expect its verification and return its
+        prefill-side id (else None)."""
+        remote_id = kv_transfer_params.get("remote_request_id", "")
+        if not sampled(remote_id, self.verify):
+            return None
+        self._expect_verify(remote_id)
+        return remote_id
+
     def _expect_verify(self, remote_request_id: str | None) -> None:
         if remote_request_id is not None:
             self._verify_expected.add(remote_request_id)
@@ -646,8 +655,7 @@ class EngineActor:
         extra = dict(sampling.pop("extra_args", None) or {})
         if kv_transfer_params is not None:
             extra["kv_transfer_params"] = kv_transfer_params
-            if sampled(kv_transfer_params.get("remote_request_id", ""), self.verify):
-                self._expect_verify(kv_transfer_params["remote_request_id"])
+            self._expect_verify_of(kv_transfer_params)
         params = SamplingParams(**sampling, extra_args=extra or None, output_kind=RequestOutputKind.DELTA)
         self._decodes += 1
         verified = (kv_transfer_params or {}).get("remote_request_id")
@@ -719,9 +727,7 @@ class EngineActor:
             # never a request that skips reading it (vLLM's EngineCore dies on the missing blocks)
             params.prompt_logprobs = None
             params.skip_reading_prefix_cache = False
-            if sampled(kv_transfer_params.get("remote_request_id", ""), self.verify):
-                remote_id = kv_transfer_params["remote_request_id"]
-                self._expect_verify(remote_id)
+            remote_id = self._expect_verify_of(kv_transfer_params)
         self._decodes += 1
         task = asyncio.get_running_loop().create_task(self._pump(channel, request_id, prompt_token_ids, params, remote_id))
         channel.tasks.add(task)
@@ -874,17 +880,8 @@ class EngineActor:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        removed = []
-        for path in sorted(shm):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-        for root, _, files in os.walk(self.tmpdir):
-            removed += [os.path.join(root, f) for f in files]
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-        return removed
+        shm_removed, tmp_files = _remove_leftovers(shm, self.tmpdir)
+        return shm_removed + tmp_files
 
 
 LEFTOVER_WAIT_S = 60.0  # how long a dead engine's vLLM processes get to exit before its files are left alone
@@ -913,19 +910,29 @@ def clean_leftovers(leftovers: dict[str, Any]) -> list[str]:
             log.warning("a dead engine's processes still run after %.0f s: its files stay", LEFTOVER_WAIT_S)
             return []
         time.sleep(0.5)
+    tmpdir = leftovers.get("tmpdir") or ""
+    had_tmpdir = os.path.isdir(tmpdir)
+    removed, _ = _remove_leftovers(leftovers["shm"], tmpdir)
+    return removed + ([tmpdir] if had_tmpdir and not os.path.exists(tmpdir) else [])
+
+
+def _remove_leftovers(shm: Any, tmpdir: str) -> tuple[list[str], list[str]]:
+    """Unlink an engine's shared-memory files and remove its private TMPDIR - only paths an engine creates
+    (SHM_PREFIXES under /dev/shm, a TMPDIR_PREFIX directory). Returns (the files unlinked, the files TMPDIR held)."""
     removed = []
-    for path in leftovers["shm"]:
+    for path in sorted(shm):
         if os.path.dirname(path) == "/dev/shm" and os.path.basename(path).startswith(SHM_PREFIXES):
             try:
                 os.unlink(path)
                 removed.append(path)
             except FileNotFoundError:
                 pass
-    tmpdir = leftovers.get("tmpdir") or ""
-    if os.path.basename(tmpdir).startswith(TMPDIR_PREFIX) and os.path.isdir(tmpdir):
+    tmp_files: list[str] = []
+    if os.path.basename(tmpdir).startswith(TMPDIR_PREFIX):
+        for root, _, files in os.walk(tmpdir):
+            tmp_files += [os.path.join(root, f) for f in files]
         shutil.rmtree(tmpdir, ignore_errors=True)
-        removed.append(tmpdir)
-    return removed
+    return removed, tmp_files
 
 
 def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None) -> dict[str, str]:

@@ -27,13 +27,18 @@ def test_default_deployment_is_the_embedded_one():
     assert DeployConfig().http.host == "127.0.0.1"  # loopback also when the file says nothing
 
 
-def test_gpu_example_is_4p2d(tmp_path, monkeypatch):
+def gpu_example(tmp_path: Path):
+    """The GPU example deployment, loaded with its model path pointed at a stub model directory: (config, dir)."""
     data = yaml.safe_load((ROOT / "configs/deploy-gpu-qwen3.5-35b-a3b-4p2d.yaml").read_text())
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
     data["model"]["path"] = str(model)
-    cfg = load_deploy(write(tmp_path, data))
+    return load_deploy(write(tmp_path, data)), model
+
+
+def test_gpu_example_is_4p2d(tmp_path, monkeypatch):
+    cfg, _ = gpu_example(tmp_path)
     assert (cfg.device, cfg.prefill.min_replicas, cfg.prefill.tp, cfg.decode.min_replicas, cfg.decode.tp) == ("cuda", 4, 1, 2, 2)
     with pytest.raises(DeployError, match="PD_API_KEY is not set"):
         monkeypatch.delenv("PD_API_KEY", raising=False)
@@ -123,12 +128,7 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
     from cluster.models import model_config
     from cluster.verify import VERIFY_ENV
 
-    data = yaml.safe_load((ROOT / "configs/deploy-gpu-qwen3.5-35b-a3b-4p2d.yaml").read_text())
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    data["model"]["path"] = str(model)
-    cfg = load_deploy(write(tmp_path, data))
+    cfg, model = gpu_example(tmp_path)
     for role, tp in (("prefill", 1), ("decode", 2)):
         spec = engine_launch(cfg, role, str(model), f"{role}-0")
         assert spec["num_gpus"] == tp
