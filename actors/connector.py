@@ -11,7 +11,10 @@ What changes against the stock connector, on the decode side only:
   * block mapping and descriptors: `cluster.planner.plan_request` turns the request's block ids into coalesced byte
     ranges; they are posted as NIXL READs built from exactly those ranges, one transfer per prefill rank.
 Completion, notifications to the prefill side (which then frees its blocks), expiry and failure handling are the
-stock connector's. The prefill side is the stock worker; its registration is read out with `pd_registration`.
+stock connector's.
+On the prefill side, a request flagged `FIRST_TOKEN` in its transfer parameters runs its whole prompt and samples the
+first output token (vLLM's hybrid prefill side otherwise stops one token short and samples nothing anyone uses): the
+router streams that token at once and the decode engine continues from the prompt plus it (see cluster.router). The prefill side is the stock worker; its registration is read out with `pd_registration`.
 On both sides the worker's main thread keeps its cores (the stock worker pins it to the last core on CPU hosts).
 """
 
@@ -38,7 +41,7 @@ from actors.engine_report import report_from_vllm
 from actors.nixl_setup import install_progress_delay
 from cluster.planner import PairPlan, RequestPlan, plan_request
 from cluster.verify import VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
-from cluster.wire import pair_from_dict
+from cluster.wire import FIRST_TOKEN, pair_from_dict
 
 logger = init_logger(__name__)
 
@@ -60,7 +63,8 @@ class VLLMInternalsChanged(RuntimeError):
     """The installed vLLM lacks a worker internal this connector overrides or calls (another vLLM release)."""
 
 
-def check_vllm_internals(worker_cls: type = NixlPullConnectorWorker) -> None:
+def check_vllm_internals(worker_cls: type = NixlPullConnectorWorker,
+                         internals: dict[str, tuple[str, ...]] = VLLM_INTERNALS) -> None:
     """Fail loudly, naming the installed vLLM version, when a method in VLLM_INTERNALS is missing or has lost a
     parameter: an override of a renamed method would silently never run (the stock reads would go on, without the
     coordinator's plan). Runs at import, so an engine with another vLLM refuses to start."""
@@ -69,7 +73,7 @@ def check_vllm_internals(worker_cls: type = NixlPullConnectorWorker) -> None:
     import vllm
 
     problems = []
-    for name, wanted in VLLM_INTERNALS.items():
+    for name, wanted in internals.items():
         method = getattr(worker_cls, name, None)
         if not callable(method):
             problems.append(f"{worker_cls.__name__}.{name} is missing")
@@ -87,6 +91,8 @@ def check_vllm_internals(worker_cls: type = NixlPullConnectorWorker) -> None:
 
 
 check_vllm_internals()
+# the prefill-side scheduler method overridden for FIRST_TOKEN requests
+check_vllm_internals(NixlPullConnectorScheduler, {"_truncate_request_for_prefill": ("request",)})
 
 install_progress_delay()  # before vLLM creates this worker's NIXL agent (see actors/nixl_setup.py)
 
@@ -556,13 +562,25 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         return done, failed
 
 
+class FirstTokenScheduler(NixlPullConnectorScheduler):
+    """The stock pull scheduler, except that a prefill request flagged FIRST_TOKEN is not cut one token short: it
+    computes its whole prompt (the recurrent state after the last prompt token, attention KV of every prompt token)
+    and samples its first output token. The decode engine then gets the prompt plus that token, of which it loads
+    all but the last - exactly the prefilled tokens - and recomputes only the token the client already has."""
+
+    def _truncate_request_for_prefill(self, request: Any) -> None:
+        if (request.kv_transfer_params or {}).get(FIRST_TOKEN):
+            return
+        super()._truncate_request_for_prefill(request)
+
+
 class NixlConnector(NixlPullConnector):
-    """Stock pull connector whose worker is `PlannedPullWorker`."""
+    """Stock pull connector whose worker is `PlannedPullWorker` and whose scheduler is `FirstTokenScheduler`."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_scheduler = FirstTokenScheduler(vllm_config, self.engine_id, kv_cache_config)
             self.connector_worker = None
         else:
             self.connector_scheduler = None

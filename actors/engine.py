@@ -37,6 +37,7 @@ import ray
 import zmq
 
 from cluster.verify import TRANSFER_VERIFY_FAILED, VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
+from cluster.wire import FIRST_TOKEN
 
 CPU_BIND = {1: "0-1", 2: "0|1", 4: "0|1|0|1"}  # VLLM_CPU_OMP_THREADS_BIND per TP size on the 2-core machines
 # /dev/shm files an engine's processes create and leak when a worker is killed (SIGTERMed NIXL workers):
@@ -264,6 +265,10 @@ class EngineActor:
         self._verify_parts: dict[str, dict[int, dict[str, Any]]] = {}
         self._verify_seen: dict[str, float] = {}
         self._verify_failed: dict[str, str] = {}
+        # verified requests by this engine's request id (-> prefill-side id), and those aborted before their verdict:
+        # their prefill side may free (and reuse) the blocks being checked, so a mismatch is no transfer's fault
+        self._verify_of: dict[str, str] = {}
+        self._verify_aborted: dict[str, None] = {}  # (ordered, bounded: a verdict may never come)
         self._verify_task: asyncio.Task | None = None
         self._verify_grace_until = 0.0
         self._verify_ms: list[float] = []
@@ -558,7 +563,10 @@ class EngineActor:
                 ms = (now - self._verify_seen.pop(req_id, now)) * 1e3
                 self._verify_ms = (self._verify_ms + [ms])[-UNREAD_STATS_KEPT:]
                 self._totals["verify_seconds"] += ms / 1e3
-                if req_id in bad:
+                if remote_id in self._verify_aborted:  # aborted by its client: its prefill side let go
+                    del self._verify_aborted[remote_id]
+                    log.info("transfer verify: request %s was aborted before its verdict; not counted", remote_id)
+                elif req_id in bad:
                     what = "; ".join(bad[req_id])
                     log.error("transfer verify failed: request %s, pair %s -> %s: %s", remote_id, prefill_id,
                               self.engine_id, what)
@@ -601,20 +609,35 @@ class EngineActor:
         return (await self.prefill_request(prompt_token_ids, request_id))["kv_transfer_params"]
 
     async def prefill_request(self, prompt_token_ids: list[int], request_id: str,
-                              prompt_logprobs: int | None = None) -> dict[str, Any]:
+                              prompt_logprobs: int | None = None, first_token: Any = None,
+                              continued: int = 0) -> dict[str, Any]:
         """Run the prompt with remote decode requested. Returns {"kv_transfer_params": for the decode engine,
-        "prompt_logprobs": vLLM's prompt logprobs when asked for}. Prompt logprobs need the logits of the whole
-        prompt, which neither side of a transfer computes (vLLM's prefill side stops one token short for hybrid
-        models and refuses to when prompt logprobs are asked for, which would break the transfer), so they come
-        from a second, local request over the same prompt run alongside."""
+        "prompt_logprobs": vLLM's prompt logprobs when asked for, "first": None or the first output}.
+
+        By default vLLM's prefill side stops one token short for hybrid models (the decode side recomputes the last
+        prompt token and samples the first output token). With `first_token` - the request's own vLLM
+        SamplingParams - the whole prompt is prefilled and its first output token sampled here, with those
+        parameters; "first" is that token's RequestOutput (text, logprobs, finish reason) and the transfer
+        parameters describe the state after the whole prompt: the decode engine continues from prompt + that token.
+        `continued`: the prompt's last tokens are output the client already has (a failover's continuation); the
+        first token's text continues theirs (`_continuation_detokenizer`).
+
+        Prompt logprobs need the logits of the whole prompt, which the transfer request does not return (vLLM's
+        prefill side refuses them with remote decode), so they come from a second, local request over the same
+        prompt run alongside."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         self._require_engine()
         self._refuse_if_draining()
-        params = SamplingParams(
-            max_tokens=1, temperature=0.0,
-            extra_args={"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
-        )
+        transfer = {"do_remote_decode": True, "do_remote_prefill": False}
+        if first_token is None:
+            params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": transfer})
+        else:
+            params = first_token.clone()
+            params.n, params.max_tokens, params.min_tokens = 1, 1, min(1, params.min_tokens or 0)
+            params.prompt_logprobs, params.output_kind = None, RequestOutputKind.FINAL_ONLY
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": {**transfer, FIRST_TOKEN: True}}
         self._prefills += 1
         self._prefill_tokens += len(prompt_token_ids)
         try:
@@ -634,8 +657,15 @@ class EngineActor:
             await self.release([final.kv_transfer_params["remote_request_id"]])
             raise scored[0]
         self.first_served_at = self.first_served_at or time.time()
-        return {"kv_transfer_params": dict(final.kv_transfer_params),
-                "prompt_logprobs": scored[0].prompt_logprobs if scored else None}
+        kv_transfer_params = dict(final.kv_transfer_params)
+        first = None
+        if first_token is not None:
+            first, final.kv_transfer_params = final, None
+            detokenizer = self._continuation_detokenizer(prompt_token_ids, continued, params)
+            if detokenizer is not None and first.outputs:
+                first.outputs[0].text = "".join(detokenizer.decode_next(t) for t in first.outputs[0].token_ids)
+        return {"kv_transfer_params": kv_transfer_params, "prompt_logprobs": scored[0].prompt_logprobs if scored else None,
+                "first": first}
 
     async def _last_output(self, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
         final = None
@@ -710,10 +740,13 @@ class EngineActor:
                 sock.close(linger=0)
 
     async def submit_decode(self, channel_id: str, request_id: str, prompt_token_ids: list[int], params: Any,
-                            kv_transfer_params: dict[str, Any] | None) -> None:
+                            kv_transfer_params: dict[str, Any] | None, continued: int = 0) -> None:
         """Start one request whose outputs go to channel `channel_id` (opened by `decode_channel`). `params` is a
         vLLM SamplingParams (its output_kind chooses deltas or one final output). With `kv_transfer_params` the
-        prompt's state is read from the prefill engine they name; without, this engine runs the whole request."""
+        prompt's state is read from the prefill engine they name; without, this engine runs the whole request.
+        `continued`: the prompt's last tokens are output tokens the client already has (a first token sampled by the
+        prefill engine, or the tokens before a failover); the text of the first new tokens is then detokenized as
+        the continuation of those (`_continued_text`)."""
         self._require_engine()
         self._refuse_if_draining()
         channel = self._channels.get(channel_id)
@@ -728,8 +761,11 @@ class EngineActor:
             params.prompt_logprobs = None
             params.skip_reading_prefix_cache = False
             remote_id = self._expect_verify_of(kv_transfer_params)
+            if remote_id is not None:
+                self._verify_of[request_id] = remote_id
         self._decodes += 1
-        task = asyncio.get_running_loop().create_task(self._pump(channel, request_id, prompt_token_ids, params, remote_id))
+        task = asyncio.get_running_loop().create_task(
+            self._pump(channel, request_id, prompt_token_ids, params, remote_id, continued))
         channel.tasks.add(task)
         task.add_done_callback(channel.tasks.discard)
         task.add_done_callback(self._pump_done)
@@ -738,13 +774,17 @@ class EngineActor:
         self._decodes -= 1
 
     async def _pump(self, channel: "_Outbox", request_id: str, prompt_token_ids: list[int], params: Any,
-                    verified: str | None = None) -> None:
+                    verified: str | None = None, continued: int = 0) -> None:
         """Run one request, putting its outputs on its channel. `verified`: the prefill-side id of a request under
         transfer.verify; if its check failed, its error output becomes a DecodeError saying so."""
+        detokenizer = self._continuation_detokenizer(prompt_token_ids, continued, params)
         try:
             async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params,
                                                      request_id=request_id):
                 self.first_served_at = self.first_served_at or time.time()
+                if detokenizer is not None and output.outputs:  # deltas (a continuation always streams them)
+                    c = output.outputs[0]
+                    c.text = "".join(detokenizer.decode_next(token) for token in c.token_ids)
                 if verified in self._verify_failed and output.outputs and output.outputs[0].finish_reason == "error":
                     channel.put((request_id, DecodeError(TRANSFER_VERIFY_FAILED, self._verify_failed.pop(verified))))
                     return
@@ -756,6 +796,32 @@ class EngineActor:
         finally:
             if verified is not None:
                 self._verify_expected.discard(verified)
+                self._verify_of.pop(request_id, None)
+
+    def _continuation_detokenizer(self, prompt_token_ids: list[int], continued: int, params: Any) -> Any:
+        """A detokenizer for a request whose prompt ends with `continued` output tokens the client already has: vLLM's
+        own (`FastIncrementalDetokenizer`), primed with the prompt the client sent and stepped through those tokens,
+        so that the new tokens' text continues theirs. vLLM primes a request's detokenizer with its whole prompt, and
+        one that ends inside a character (a sent token holding the first bytes of a UTF-8 sequence) is primed
+        wrongly: its next text is the whole prompt's. None (vLLM's text stands) for slow tokenizers, requests
+        without text, or when priming fails."""
+        from types import SimpleNamespace
+
+        from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, uses_fast_detokenizer
+
+        tokenizer = self.engine.tokenizer
+        if not continued or tokenizer is None or not uses_fast_detokenizer(tokenizer) or params.detokenize is False:
+            return None
+        request = SimpleNamespace(request_id="continued", sampling_params=params,
+                                  prompt_token_ids=list(prompt_token_ids[:-continued]))
+        try:
+            detokenizer = FastIncrementalDetokenizer(tokenizer, request)
+            for token in prompt_token_ids[-continued:]:
+                detokenizer.decode_next(token)
+        except Exception as e:  # noqa: BLE001 - vLLM's own text stands
+            log.warning("could not prime the continuation's detokenizer: %s", e)
+            return None
+        return detokenizer
 
     # ---- load and draining (the pool's autoscaling signal; scale-down) -------------------------------------------
     def _refuse_if_draining(self) -> None:
@@ -804,6 +870,11 @@ class EngineActor:
         return self.first_served_at
 
     async def abort(self, request_id: str) -> None:
+        remote_id = self._verify_of.pop(request_id, None)
+        if remote_id is not None and remote_id in self._verify_expected:  # no verdict yet: it no longer counts
+            self._verify_aborted[remote_id] = None
+            while len(self._verify_aborted) > VERIFY_FAILED_KEPT:
+                del self._verify_aborted[next(iter(self._verify_aborted))]
         if self.engine is not None:
             await self.engine.abort(request_id)
 

@@ -57,6 +57,7 @@ class FrontendSettings:
     api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 2
+    first_token_from_prefill: bool = True
 
 
 def vllm_args(settings: FrontendSettings):
@@ -366,7 +367,7 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
     args = vllm_args(settings)
     vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     metrics = ServiceMetrics()
-    router = Router(coordinator)
+    router = Router(coordinator, first_token_from_prefill=settings.first_token_from_prefill)
     client = cluster_engine_client(vllm_config, router, metrics)
     tasks = await client.get_supported_tasks()
     app = build_app(args, tasks, vllm_config.model_config)

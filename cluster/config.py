@@ -112,6 +112,10 @@ class TransferConfig(_Strict):
     verify: float = Field(0.0, description="fail-closed transfers: the fraction of requests whose every byte read by the "
                           "decode engine is checked against the prefill engine's (CRC-32 per region) before the first "
                           "token - off, all, or a fraction in between (a deterministic sample by request id)")
+    first_token_from_prefill: bool = Field(
+        True, description="the prefill engine samples the first token of streamed requests that allow it (greedy or "
+        "unseeded, no stop strings, penalties on generated tokens, bad words or structured output): it reaches the "
+        "client without waiting for the transfer and a decode step")
 
     @field_validator("verify", mode="before")
     @classmethod

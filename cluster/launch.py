@@ -271,6 +271,7 @@ def frontend_settings(cluster: Cluster):
         dtype=cfg.model.dtype, coordinator_name=cfg.coordinator.name, namespace=cfg.coordinator.namespace,
         host=cfg.http.host, port=cfg.http.port, api_key=cfg.http.resolved_api_key(),
         max_body_bytes=cfg.http.max_body_bytes, retry_after_s=cfg.http.retry_after_s,
+        first_token_from_prefill=cfg.transfer.first_token_from_prefill,
     )
 
 

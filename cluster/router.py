@@ -1,8 +1,12 @@
 """Request orchestration: one request through one approved prefill/decode pair.
 
-  1. a prefill engine runs the prompt with `max_tokens=1` and remote decode requested. For hybrid models vLLM's
-     prefill side itself stops one token short (the recurrent state cannot be rewound, so the decode side recomputes
-     the last prompt token) - the whole prompt is sent to both sides;
+  1. a prefill engine runs the prompt with `max_tokens=1` and remote decode requested. When the request allows it
+     (`first_token_refused`: streamed, greedy or unseeded, no stop strings, penalties on generated tokens, bad words
+     or structured output) the prefill engine prefills the whole prompt and samples the first token with the
+     request's own parameters; that token goes to the client at once, and the decode engine gets the prompt plus
+     it, loads the state of the prompt and recomputes only that token. Otherwise vLLM's default for hybrid models:
+     the prefill side stops one token short (the recurrent state cannot be rewound) and the decode side recomputes
+     the last prompt token and samples the first token;
   2. its transfer parameters (block ids per cache group, engine id, token count) go to a decode engine that the
      coordinator has approved for that prefill engine; the decode engine's connector pulls the state with NIXL using
      the negotiated pair plan and decodes;
@@ -84,13 +88,16 @@ class Router:
     """Picks the least-loaded prefill engine, then the least-loaded decode engine approved for it.
 
     `decode_transport`: "auto" - decode outputs over a local ZeroMQ socket from engines on this node, over the Ray
-    stream from the others; "ray" - always over the Ray stream."""
+    stream from the others; "ray" - always over the Ray stream. `first_token_from_prefill`: the prefill engine
+    samples the first token of the requests that allow it (see the module's docstring), which reaches the client
+    without waiting for the transfer and a decode step."""
 
-    def __init__(self, coordinator: Any, decode_transport: str = "auto"):
+    def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True):
         if decode_transport not in TRANSPORTS:
             raise ValueError(f"decode_transport must be one of {TRANSPORTS}, not {decode_transport!r}")
         self.coordinator = coordinator
         self.decode_transport = decode_transport
+        self.first_token_from_prefill = first_token_from_prefill
         self.inflight: Counter[str] = Counter()
         self._handles: dict[str, Any] = {}
         self._rr = itertools.count()
@@ -177,7 +184,8 @@ class Router:
             if sent:
                 prompt, attempt_params = prompt_token_ids + sent, continuation_params(params, len(sent))
             try:
-                async with contextlib.aclosing(self._once(prompt, attempt_params, attempt_id, pair, avoid, prefer_not)) as outs:
+                async with contextlib.aclosing(self._once(prompt, attempt_params, attempt_id, pair, avoid, prefer_not,
+                                                          continued=len(sent))) as outs:
                     async for out in outs:
                         if sent:  # a continuation: to the caller it is the same request
                             out.prompt_token_ids, out.prompt_logprobs = list(prompt_token_ids), None
@@ -242,13 +250,16 @@ class Router:
         return channel
 
     async def _once(self, prompt_token_ids, params, rid, pair, avoid: set[str],
-                    prefer_not: frozenset[str] | set[str] = frozenset()) -> AsyncIterator[Any]:
+                    prefer_not: frozenset[str] | set[str] = frozenset(), continued: int = 0) -> AsyncIterator[Any]:
+        """One attempt on one pair (or one engine, degraded). `continued`: the prompt's last tokens are output the
+        caller already has (a failover's continuation)."""
         routes = await self._ask("routes")
         prefills = [p for p in routes if p not in avoid]
         if pair is None:
             paired = [p for p in prefills if any(d not in avoid for d in routes[p])]
             if not paired:  # one pool has no ready engine (or nothing is paired): one engine serves it all
-                async with contextlib.aclosing(self._colocated(prefills, prompt_token_ids, params, rid, avoid)) as outs:
+                async with contextlib.aclosing(self._colocated(prefills, prompt_token_ids, params, rid, avoid,
+                                                               continued)) as outs:
                     async for out in outs:
                         yield out
                 return
@@ -267,8 +278,10 @@ class Router:
         d_id = pair[1] if pair else self._pick(decodes)
         prefill, decode = await self._handle(p_id, "prefill"), await self._handle(d_id, "decode")
 
+        first_token = self.first_token_from_prefill and first_token_refused(params) is None
         self.inflight[p_id] += 1
-        ref = prefill.prefill_request.remote(prompt_token_ids, rid, params.prompt_logprobs)
+        ref = prefill.prefill_request.remote(prompt_token_ids, rid, params.prompt_logprobs,
+                                             params if first_token else None, continued)
         try:
             prefilled = await asyncio.wait_for(asyncio.shield(_awaitable(ref)), self.prefill_timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # client gone, or a wedged engine: stop it
@@ -280,12 +293,42 @@ class Router:
             raise EngineFailure("prefill", p_id, e) from None
         finally:
             self.inflight[p_id] -= 1
-        async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, prefilled,
-                                                    p_id, prefill)) as outs:
+        first = prefilled.get("first")
+        if first is None:
+            async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, prefilled,
+                                                        p_id, prefill, continued)) as outs:
+                async for out in outs:
+                    yield out
+            return
+        # the prefill engine sampled the first token: it goes out now; the decode engine continues from it
+        reason = first.outputs[0].finish_reason if first.outputs else "no output"
+        if reason not in ("length", "stop") or not first.outputs[0].token_ids:  # aborted (the engine is stopping)
+            self._background(self._release_prefill(prefill, prefilled["kv_transfer_params"]))
+            raise EngineFailure("prefill", p_id, f"the prefill engine ended the request without a first token ({reason})")
+        finished = reason == "stop" or params.max_tokens == 1
+        if not finished:
+            first.outputs[0].finish_reason = first.outputs[0].stop_reason = None
+        first.finished = finished
+        first.prompt_logprobs = prefilled.get("prompt_logprobs")
+        try:
+            yield first
+        except BaseException:  # the consumer went away: no decode follows, free the state held for it
+            self._background(self._release_prefill(prefill, prefilled["kv_transfer_params"]))
+            raise
+        if finished:  # the first token ended it (a stop token, or max_tokens 1): nobody reads the state
+            self._background(self._release_prefill(prefill, prefilled["kv_transfer_params"]))
+            return
+        ids = list(first.outputs[0].token_ids)
+        rest = continuation_params(params, len(ids))
+        async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids + ids, rest, rid,
+                                                    {**prefilled, "prompt_logprobs": None}, p_id, prefill,
+                                                    continued + len(ids))) as outs:
             async for out in outs:
+                out.prompt_token_ids, out.prompt_logprobs = list(prompt_token_ids), None
                 yield out
 
-    async def _colocated(self, prefills: list[str], prompt_token_ids, params, rid, avoid: set[str]) -> AsyncIterator[Any]:
+    async def _colocated(self, prefills: list[str], prompt_token_ids, params, rid, avoid: set[str],
+                         continued: int = 0) -> AsyncIterator[Any]:
         """Degraded mode: no prefill/decode pair is ready, so one engine runs the whole request - a ready prefill
         engine while the decode pool is empty, a ready decode engine while the prefill pool is (counted in
         `colocated`, logged when it starts and stops)."""
@@ -301,12 +344,13 @@ class Router:
         e_id = self._pick(engines)
         handle = await self._handle(e_id, "decode")
         self.colocated[role] += 1
-        async with contextlib.aclosing(self._decode(e_id, handle, prompt_token_ids, params, rid, None)) as outs:
+        async with contextlib.aclosing(self._decode(e_id, handle, prompt_token_ids, params, rid, None,
+                                                    continued=continued)) as outs:
             async for out in outs:
                 yield out
 
     async def _decode(self, d_id: str, decode: Any, prompt_token_ids, params, rid, prefilled: dict[str, Any] | None,
-                      p_id: str | None = None, prefill: Any = None) -> AsyncIterator[Any]:
+                      p_id: str | None = None, prefill: Any = None, continued: int = 0) -> AsyncIterator[Any]:
         """Stream one request's outputs from engine `d_id`: the decode side of a pair, reading the state `prefilled`
         describes from prefill engine `p_id`, or (prefilled None) the whole request on that one engine."""
         kv_params = prefilled["kv_transfer_params"] if prefilled else None
@@ -317,7 +361,7 @@ class Router:
             channel = await self._channel(d_id, decode)
             inbox = channel.join(rid, delta=_is_delta(params))
             try:
-                await decode.submit_decode.remote(channel.id, rid, prompt_token_ids, params, kv_params)
+                await decode.submit_decode.remote(channel.id, rid, prompt_token_ids, params, kv_params, continued)
             except Exception as e:
                 raise EngineFailure("decode", d_id, e) from None
             while not finished:
@@ -429,6 +473,24 @@ def continuation_refused(params: Any) -> str | None:
         return "structured output would restart its grammar"
     if params.stop:
         return "stop strings: the engine holds back text that might start one, and that text died with it"
+    return None
+
+
+def first_token_refused(params: Any) -> str | None:
+    """Why the prefill engine cannot sample a request's first token (None: it can). The decode engine continues
+    from prompt + that token with `continuation_params`, so what a continuation refuses is refused here too
+    (`continuation_refused`); beyond that, a seeded random request (its generator would restart on the decode engine,
+    and vLLM's own server draws every token from one) and bad words (a banned sequence could start in the first
+    token, which the decode engine sees as prompt)."""
+    why = continuation_refused(params)
+    if why is not None:
+        return why
+    from vllm.sampling_params import SamplingType
+
+    if params.sampling_type == SamplingType.RANDOM_SEED:
+        return "seeded sampling draws every token from one generator"
+    if params.bad_words:
+        return "bad words could span the first token"
     return None
 
 

@@ -8,6 +8,10 @@ from typing import Any
 from cluster.layout import AttentionShape, CacheGroup, EngineLayout, ModelShape, Proj, StateShape
 from cluster.planner import HeadRun, PairPlan, Read
 
+# a prefill request's transfer-parameter flag (engine actor -> connector scheduler): prefill the whole prompt and
+# sample the first output token, instead of vLLM's hybrid default of stopping one prompt token short
+FIRST_TOKEN = "pd_first_token"
+
 
 def layout_to_dict(layout: EngineLayout) -> dict[str, Any]:
     return dataclasses.asdict(layout)

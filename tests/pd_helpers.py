@@ -50,7 +50,10 @@ class PDCluster:
         except BaseException:
             self.stop()
             raise
-        self.router = Router(self.coordinator)
+        # the router as deployed (the prefill engine samples the first token where it can) and one that leaves every
+        # first token to the decode engine (vLLM's hybrid default: the prefill side stops one token short)
+        self.routers = {"prefill": Router(self.coordinator), "decode": Router(self.coordinator, first_token_from_prefill=False)}
+        self.router = self.routers["prefill"]
 
     def engine_id(self, role: str, tp: int) -> str:
         return f"{role}-tp{tp}"

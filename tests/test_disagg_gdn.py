@@ -74,17 +74,25 @@ def test_disaggregated_equals_colocated(pd, reference, p_tp, d_tp):
         assert out == ref, f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}"
 
 
+@pytest.mark.parametrize("first", ["prefill", "decode"])
 @pytest.mark.parametrize("p_tp, d_tp", PAIRS)
-def test_prompts_on_block_boundaries(pd, p_tp, d_tp):
-    """This model's logical block on CPU is 128 tokens and the prefill side transfers all but the last prompt token:
-    prompts of 128 (127 transferred), 129 (exactly one block) and 257 tokens (exactly two) - the cases where an
-    off-by-one in the block mapping reads a stale or a missing block - equal the model's rule."""
-    block = ray.get(pd.engines[("decode", d_tp)].registration.remote())["ranks"][0]["layout"]["block_size"]
+def test_prompts_on_block_boundaries(pd, p_tp, d_tp, first):
+    """This model's logical block on CPU is 128 tokens. With the first token from the prefill engine the whole prompt
+    is transferred; with it from the decode engine all but the last prompt token. Either way, prompts whose
+    transferred tokens are one short of a block, exactly one block and exactly two - the cases where an off-by-one
+    in the block mapping reads a stale or a missing block - equal the model's rule, and the decode engine read
+    exactly that many tokens."""
+    decode = pd.engines[("decode", d_tp)]
+    block = ray.get(decode.registration.remote())["ranks"][0]["layout"]["block_size"]
     assert block == 128
-    cases = prompts(seed=41, lengths=(block - 1, block, 2 * block))
-    outs = gather(run_pair(pd.router, f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p) for p in cases)
+    whole = first == "prefill"  # prompts() adds a BOS: a length n gives n + 1 tokens
+    cases = prompts(seed=41, lengths=[n - whole for n in (block - 1, block, 2 * block)])
+    ray.get(decode.transfer_stats.remote())  # drain earlier requests
+    outs = gather(run_pair(pd.routers[first], f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p) for p in cases)
     for prompt, out in zip(cases, outs):
-        assert out == oracle(prompt), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}"
+        assert out == oracle(prompt), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}, first token: {first}"
+    read = sorted({s["tokens"] for s in ray.get(decode.transfer_stats.remote())})
+    assert read == [block - 1, block, 2 * block], read
 
 
 def test_decode_outputs_take_the_local_socket_and_the_ray_stream_alike(pd, reference):
@@ -108,12 +116,95 @@ def test_decode_outputs_take_the_local_socket_and_the_ray_stream_alike(pd, refer
         Router(pd.coordinator, decode_transport="tcp")
 
 
+def test_first_token_from_the_prefill_engine(pd, reference):
+    """A streamed greedy request gets its first token from the prefill engine, sampled with the request's own
+    parameters (logprobs included); the decode engine reads the state of the whole prompt and continues from that
+    token, with outputs and logprobs equal to a request whose first token the decode engine samples. A request the
+    first token ends (max_tokens 1, a stop token) never reaches the decode engine, and the prefill engine lets go of
+    the state it held for it. Seeded random sampling and stop strings leave the first token to the decode engine."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    decode, prefill = pd.engines[("decode", 2)], pd.engines[("prefill", 1)]
+    prompt = prompts(seed=3, lengths=(200,))[0]
+
+    async def once(router, **kw):
+        params = SamplingParams(**{"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, **kw},
+                                output_kind=RequestOutputKind.DELTA)
+        outs = []
+        async for o in router.stream(prompt, params, pair=("prefill-tp1", "decode-tp2")):
+            outs.append(o)
+        c = [o.outputs[0] for o in outs]
+        return ([t for x in c for t in x.token_ids], [lp for x in c for lp in (x.logprobs or [])], c[-1].finish_reason,
+                {tuple(o.prompt_token_ids) for o in outs})
+
+    def read_tokens():
+        return sorted({s["tokens"] for s in ray.get(decode.transfer_stats.remote())})
+
+    read_tokens()  # drain earlier requests
+    got, want = asyncio.run(once(pd.router, logprobs=3)), asyncio.run(once(pd.routers["decode"], logprobs=3))
+    assert got[0] == want[0] == oracle(prompt) and got[2] == want[2] == "length"
+    assert [sorted(lp) for lp in got[1]] == [sorted(lp) for lp in want[1]] and len(got[1]) == MAX_TOKENS
+    assert got[3] == want[3] == {tuple(prompt)}
+    assert read_tokens() == [len(prompt) - 1, len(prompt)]  # the decode-first request, then the whole prompt
+
+    first = oracle(prompt)[0]
+    for kw, reason in (({"max_tokens": 1}, "length"), ({"stop_token_ids": [first], "ignore_eos": False}, "stop")):
+        assert asyncio.run(once(pd.router, **kw))[::2] == ([first], reason), kw
+    assert read_tokens() == [] and ray.get(prefill.pending_sends.remote(wait_s=10)) == []
+
+    seeded = {"temperature": 0.8, "seed": 7}
+    assert asyncio.run(once(pd.router, **seeded))[0] == asyncio.run(once(pd.routers["decode"], **seeded))[0]
+    asyncio.run(once(pd.router, stop=["never in the output"]))
+    assert read_tokens() == [len(prompt) - 1]  # both left the first token to the decode engine
+
+
+def test_text_continues_a_first_token_that_ends_inside_a_character(pd, gdn_model):
+    """The text clients read, not only the token ids. For this chat prompt the model's first token is the first byte
+    of a UTF-8 sequence (no text yet), and vLLM primes a request's detokenizer with its prompt: a decode engine given
+    prompt + that token would send the whole prompt as the next token's text. The decode engine detokenizes the
+    continuation as the engine that sampled the first token would have - the same text as a colocated engine, with
+    the first token from either engine, and on a continuation after a failover (prompt + sent tokens)."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    tokenizer = AutoTokenizer.from_pretrained(gdn_model)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "where does the state go?"}]
+    prompt = tokenizer(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False)["input_ids"]
+    first = oracle(prompt, 1)[0]
+    assert tokenizer.decode([first]) == "\ufffd"  # a byte that only starts a character: the case under test
+
+    async def colocated_text():
+        items = pd.engines[("decode", 1)].decode.options(num_returns="streaming").remote(
+            prompt, {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}, None, "colocated-text")
+        return "".join([(await ref)["text"] async for ref in items])
+
+    async def text(router, continued=0):
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        if continued:  # what a failover sends: prompt + the tokens sent, the rest of the request
+            from cluster.router import continuation_params
+
+            outs = router._once(prompt + oracle(prompt, continued), continuation_params(params, continued), "cont",
+                                ("prefill-tp1", "decode-tp2"), set(), continued=continued)
+            return "".join([o.outputs[0].text async for o in outs])
+        return "".join([o.outputs[0].text async for o in router.stream(prompt, params, pair=("prefill-tp1", "decode-tp2"))])
+
+    want = asyncio.run(colocated_text())
+    assert want and "<|" not in want
+    for first_from in ("prefill", "decode"):
+        assert asyncio.run(text(pd.routers[first_from])) == want, first_from
+        # the first token's own text is empty (half a character): what follows it carries all of the text
+        assert asyncio.run(text(pd.routers[first_from], continued=1)) == want, f"continued, {first_from}"
+
+
 def test_transfer_statistics(pd, reference):
     """Per request and decode rank: bytes, descriptors and milliseconds, from the engine and the coordinator."""
     decode = pd.engines[("decode", 2)]
     ray.get(decode.transfer_stats.remote())  # drain earlier requests
     prompt = prompts(lengths=(300,))[0]
-    asyncio.run(run_pair(pd.router, "prefill-tp1", "decode-tp2", prompt))
+    asyncio.run(run_pair(pd.routers["decode"], "prefill-tp1", "decode-tp2", prompt))
     stats = ray.get(decode.transfer_stats.remote())
     assert sorted(s["decode_rank"] for s in stats) == [0, 1]
     for s in stats:
@@ -223,7 +314,8 @@ def test_failed_decode_frees_prefill_blocks(pd):
     prefill = pd.engines[("prefill", 1)]
 
     async def bad():
-        async for _ in pd.router.generate(prompts()[1], {"max_tokens": 4, "logprobs": 10**4}, pair=("prefill-tp1", "decode-tp1")):
+        async for _ in pd.routers["decode"].generate(prompts()[1], {"max_tokens": 4, "logprobs": 10**4},
+                                                     pair=("prefill-tp1", "decode-tp1")):
             pass
 
     with pytest.raises(EngineFailure, match="decode failed on engine decode-tp1: .*logprobs"):
@@ -266,8 +358,8 @@ class _LeavesAfterPrefill:
         self._h, self._id, self._coordinator, self._departed = handle, engine_id, coordinator, departed
         self.prefill_request = SimpleNamespace(remote=self._prefill)
 
-    async def _prefill(self, prompt, rid, prompt_logprobs):
-        params = await self._h.prefill_request.remote(prompt, rid, prompt_logprobs)
+    async def _prefill(self, *args):
+        params = await self._h.prefill_request.remote(*args)
         if not self._departed:
             self._departed.append(self._id)
             await self._coordinator.deregister.remote(self._id)
@@ -277,14 +369,16 @@ class _LeavesAfterPrefill:
         return getattr(self._h, name)
 
 
-def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd):
+@pytest.mark.parametrize("first", ["decode", "prefill"])
+def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd, first):
     """The race of a scale-down, caused for real at its worst moment: the prefill engine leaves between its prefill
     and the decode engine's read. The read fails cleanly (vLLM ends the request with finish_reason "error", never a
-    short answer), the prefill side's blocks are freed, and the router retries once on a pair without that engine:
-    the right tokens."""
+    short answer), the prefill side's blocks are freed, and the router retries once on a pair without that engine -
+    or, when the prefill engine already sent the first token, continues after it on such a pair: the right
+    tokens."""
     from cluster.router import Router
 
-    router = Router(pd.coordinator)
+    router = Router(pd.coordinator, first_token_from_prefill=first == "prefill")
     departed: list[str] = []
     for tp in (1, 2):
         engine_id = f"prefill-tp{tp}"
@@ -292,7 +386,8 @@ def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd):
     prompt = prompts()[2]
     try:
         out = asyncio.run(run_router(router, prompt))
-        assert out == oracle(prompt) and router.retried == 1 and len(departed) == 1
+        assert out == oracle(prompt) and len(departed) == 1
+        assert (router.retried, router.failed_over) == ((1, 0) if first == "decode" else (0, 1))
         gone = pd.engines[("prefill", int(departed[0][-1]))]
         assert ray.get(gone.pending_sends.remote(wait_s=5)) == []  # nothing held for the read that failed
         assert departed[0] not in ray.get(pd.coordinator.describe.remote())["engines"]
@@ -395,16 +490,17 @@ def test_transfer_verify_checks_every_read_and_fails_closed(pd, reference):
     every head-sharded region). All: every request's reads are checked, region by region, against the prefill
     side's bytes before it runs a step, and outputs are unchanged. A byte flipped on purpose on decode rank 1 right
     after its read lands: the request fails before any token, naming the pair and the region, and frees the prefill
-    side's blocks; with the router's retry the client gets the right output. Sampled: exactly the requests the
-    sample names are checked."""
+    side's blocks; with the router's retry the client gets the right output. With the first token from the prefill
+    engine (already sent when the read lands) the request continues on a pair after that token instead, and the
+    client still gets the right output. Sampled: exactly the requests the sample names are checked."""
     from cluster.router import EngineFailure
     from cluster.verify import sampled
 
     decode, prefill = pd.engines[("decode", 2)], pd.engines[("prefill", 1)]
 
-    async def once(prompt, retries):
+    async def once(prompt, retries, router=pd.routers["decode"]):
         out = []
-        async for o in pd.router.stream(prompt, _greedy(), pair=("prefill-tp1", "decode-tp2"), retries=retries):
+        async for o in router.stream(prompt, _greedy(), pair=("prefill-tp1", "decode-tp2"), retries=retries):
             out += o.outputs[0].token_ids
         return out
 
@@ -426,13 +522,18 @@ def test_transfer_verify_checks_every_read_and_fails_closed(pd, reference):
             asyncio.run(once(prompts()[2], retries=0))
         assert not failed.value.streamed
         assert ray.get(prefill.pending_sends.remote(wait_s=10)) == []
-        retried = pd.router.retried
+        retried = pd.routers["decode"].retried
         ray.get(decode.plant_corruption.remote(1, 1))
         assert asyncio.run(once(prompts()[2], retries=1)) == reference[2]
-        assert pd.router.retried == retried + 1
+        assert pd.routers["decode"].retried == retried + 1
+        failed_over = pd.router.failed_over
+        ray.get(decode.plant_corruption.remote(1, 1))
+        assert asyncio.run(once(prompts()[2], retries=0, router=pd.router)) == reference[2]
+        assert pd.router.failed_over == failed_over + 1
         after = ray.get(decode.transfer_totals.remote())
-        assert after["verify_failures"] - totals["verify_failures"] == 2
-        assert after["verified"] - totals["verified"] == 1
+        assert after["verify_failures"] - totals["verify_failures"] == 3
+        assert after["verified"] - totals["verified"] == 2
+        assert ray.get(prefill.pending_sends.remote(wait_s=10)) == []
 
         ray.get(decode.set_verify.remote(0.5))
         ray.get(decode.transfer_stats.remote())

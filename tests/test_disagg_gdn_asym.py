@@ -1,8 +1,8 @@
 """The live matrix on the asymmetric GDN hybrid (`gdn-asym`: value heads = 2 x key heads, as in Qwen3.5, so the conv
 state's V channels are twice the Q/K width; 2 attention KV heads, replicated at TP 4): disaggregated == colocated ==
-the model's rule, token for token, for prompts shorter than a block, ending exactly on a block boundary (the prefill
-side transfers all but the last prompt token: a prompt of block + 1 tokens transfers exactly one block) and several
-blocks long, over TP pairs that include a TP 4 side. vLLM gives this model 384-token blocks at TP 1 and 2 but 256 at TP 4
+the model's rule, token for token, for prompts shorter than a block, ending exactly on a block boundary and several
+blocks long, over TP pairs that include a TP 4 side, with the first token sampled by either engine (from the prefill
+engine the whole prompt is transferred; from the decode engine all but the last prompt token). vLLM gives this model 384-token blocks at TP 1 and 2 but 256 at TP 4
 (its state page is smaller there); CPU attention pages cannot be remapped between block sizes (the coordinator
 refuses such pairs: tests/test_disagg_gdn.py), so every engine here starts with 384-token blocks."""
 
@@ -29,25 +29,31 @@ def pd(ray_local):
 
 
 @pytest.fixture(scope="module")
-def cases(pd) -> list[list[int]]:
-    """Prompt lengths (with the leading BOS) from the engines' logical block (the hybrid page alignment: 384 tokens
-    for this model on CPU): short, one short of transferring a whole block, exactly one block transferred, and
-    several blocks."""
+def block(pd) -> int:
+    """The engines' logical block (the hybrid page alignment: 384 tokens for this model on CPU)."""
     import ray
 
     blocks = {k: ray.get(e.registration.remote())["ranks"][0]["layout"]["block_size"] for k, e in pd.engines.items()}
     assert set(blocks.values()) == {BLOCK}, blocks
-    block = BLOCK
-    return prompts(seed=31, lengths=[n - 1 for n in (4, block, block + 1, 2 * block + 40)])
+    return BLOCK
 
 
-def test_colocated_follows_the_rule(pd, cases):
-    refs = gather(colocated(pd.engines[("decode", 2)], p, max_tokens=8) for p in cases)
-    assert refs == [oracle(p, 8) for p in cases]
+def cases(block: int, first: str) -> list[list[int]]:
+    """Prompts (with the leading BOS) whose transferred tokens are few, one short of a whole block, exactly one
+    block, and several blocks, when the first token comes from `first`."""
+    whole = first == "prefill"
+    return prompts(seed=31, lengths=[n - whole for n in (3, block - 1, block, 2 * block + 39)])
 
 
+def test_colocated_follows_the_rule(pd, block):
+    refs = gather(colocated(pd.engines[("decode", 2)], p, max_tokens=8) for p in cases(block, "decode"))
+    assert refs == [oracle(p, 8) for p in cases(block, "decode")]
+
+
+@pytest.mark.parametrize("first", ["prefill", "decode"])
 @pytest.mark.parametrize("p_tp, d_tp", PAIRS)
-def test_disaggregated_equals_colocated(pd, cases, p_tp, d_tp):
-    outs = gather(run_pair(pd.router, f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p, max_tokens=8) for p in cases)
-    for prompt, out in zip(cases, outs):
-        assert out == oracle(prompt, 8), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}"
+def test_disaggregated_equals_colocated(pd, block, p_tp, d_tp, first):
+    prompts_ = cases(block, first)
+    outs = gather(run_pair(pd.routers[first], f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p, max_tokens=8) for p in prompts_)
+    for prompt, out in zip(prompts_, outs):
+        assert out == oracle(prompt, 8), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}, first token: {first}"

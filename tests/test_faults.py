@@ -96,7 +96,11 @@ def test_decode_dies_mid_stream(served):
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: {"))
-        victim = next(e for e in ("decode-0", "decode-1") if ray.get(served.engines[e].num_unfinished.remote()) == 1)
+        # the first token may come from the prefill engine: the decode engine takes the request right after it
+        busy: list[str] = []
+        wait_for(lambda: busy.extend(e for e in ("decode-0", "decode-1")
+                                     if ray.get(served.engines[e].num_unfinished.remote()) == 1) or busy, 10)
+        victim = busy[0]
         children = kill_engine(served, victim)
         t0 = time.monotonic()
         rest = [line for line in lines if line]

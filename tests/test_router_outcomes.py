@@ -24,12 +24,13 @@ def _ready(value):
 
 class FakeEngine:
     """An engine actor's prefill and decode-channel calls: `outputs` are what its decode side produces for any
-    request, one channel item each."""
+    request, one channel item each. Its prefill never samples a first token (no "first"), so every request takes
+    the decode-first path here."""
 
     def __init__(self, outputs: list[dict]):
         self.outputs, self.released, self.aborted, self.submitted = outputs, [], [], []
         self.channels: dict[str, asyncio.Queue] = {}
-        self.prefill_request = SimpleNamespace(remote=lambda prompt, rid, logprobs: _ready(
+        self.prefill_request = SimpleNamespace(remote=lambda prompt, rid, logprobs, first_token=None, continued=0: _ready(
             {"kv_transfer_params": {"remote_request_id": rid}, "prompt_logprobs": None}))
         self.release = SimpleNamespace(remote=lambda ids: _ready(self.released.extend(ids)))
         self.abort = SimpleNamespace(remote=lambda rid: self.aborted.append(rid))
@@ -43,7 +44,7 @@ class FakeEngine:
         while True:
             yield _ready([await queue.get()])
 
-    def _submit(self, channel_id, rid, prompt, params, kv_params):
+    def _submit(self, channel_id, rid, prompt, params, kv_params, continued=0):
         self.submitted.append((list(prompt), params, kv_params))
         async def produce():  # one output per engine step, a step apart (the caller reads each before the next)
             for out in self.outputs:
