@@ -746,7 +746,7 @@ class EngineActor:
         prompt's state is read from the prefill engine they name; without, this engine runs the whole request.
         `continued`: the prompt's last tokens are output tokens the client already has (a first token sampled by the
         prefill engine, or the tokens before a failover); the text of the first new tokens is then detokenized as
-        the continuation of those (`_continued_text`)."""
+        the continuation of those (`_continuation_detokenizer`)."""
         self._require_engine()
         self._refuse_if_draining()
         channel = self._channels.get(channel_id)

@@ -442,7 +442,8 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, dict[
         for k in totals:
             totals[k] += engine_totals.get(k, 0)
     return {"pools": pools, "transfers": totals, "retried": router.retried, "scaling": desc.get("pools", {}),
-            "colocated": dict(router.colocated), "degraded": router.degraded, "failed_over": router.failed_over}
+            "colocated": dict(router.colocated), "degraded": router.degraded, "failed_over": router.failed_over,
+            "first_from_prefill": router.first_from_prefill}
 
 
 @ray.remote(num_cpus=0)

@@ -17,7 +17,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 class ServiceMetrics:
     """One registry per HTTP front end. `cluster_state` is set by the caller just before each scrape:
     {"pools": {(role, state): count}, "transfers": {"transfers", "bytes", "descriptors", "seconds", "verified",
-    "verify_failures"}, "retried": n, "colocated": {role: n}, "degraded": role serving whole requests or None,
+    "verify_failures"}, "retried": n, "failed_over": n, "first_from_prefill": n, "colocated": {role: n}, "degraded": role serving whole requests or None,
     "scaling": the coordinator's `pools()` (decision counts, each pool's latest signal, the last decisions)}."""
 
     def __init__(self) -> None:
@@ -81,6 +81,10 @@ class _ClusterCollector:
                                           "engine failed mid-stream")
         failed_over.add_metric([], float(state.get("failed_over", 0)))
         yield failed_over
+        first = CounterMetricFamily("pd_first_tokens_from_prefill", "Requests whose first token the prefill engine "
+                                    "sampled (transfer.first_token_from_prefill); the others' came from the decode engine")
+        first.add_metric([], float(state.get("first_from_prefill", 0)))
+        yield first
         colocated = CounterMetricFamily("pd_requests_colocated", "Requests served whole by one engine while no "
                                         "prefill/decode pair was ready (degraded mode), by that engine's pool",
                                         labels=["role"])

@@ -107,6 +107,7 @@ class Router:
         self._unreachable: set[str] = set()  # decode engines that could not reach this front end's local socket
         self.retried = 0  # requests retried on another pair after an engine failure
         self.failed_over = 0  # streams continued on another pair after their engine failed mid-stream
+        self.first_from_prefill = 0  # requests whose first token the prefill engine sampled
         # degraded mode: requests served whole by one engine while no pair is ready, by the serving engine's role;
         # the role serving that way now (None: pairs are serving)
         self.colocated: Counter[str] = Counter()
@@ -305,6 +306,7 @@ class Router:
         if reason not in ("length", "stop") or not first.outputs[0].token_ids:  # aborted (the engine is stopping)
             self._background(self._release_prefill(prefill, prefilled["kv_transfer_params"]))
             raise EngineFailure("prefill", p_id, f"the prefill engine ended the request without a first token ({reason})")
+        self.first_from_prefill += 1
         finished = reason == "stop" or params.max_tokens == 1
         if not finished:
             first.outputs[0].finish_reason = first.outputs[0].stop_reason = None

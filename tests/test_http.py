@@ -418,7 +418,11 @@ def _metric(text: str, name: str) -> str:
 
 def test_metrics(served, client):
     client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
+    before = float(_metric(httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text,
+                           "pd_first_tokens_from_prefill_total"))
+    list(client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0, stream=True))
     text = httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert float(_metric(text, "pd_first_tokens_from_prefill_total")) == before + 1  # streamed greedy: from prefill
     assert float(_metric(text, 'pd_requests_total{status="200"}')) >= 1
     assert float(_metric(text, "pd_time_to_first_token_seconds_count")) >= 1
     assert float(_metric(text, "pd_inter_token_latency_seconds_count")) >= 2
