@@ -265,10 +265,6 @@ class EngineActor:
         self._verify_parts: dict[str, dict[int, dict[str, Any]]] = {}
         self._verify_seen: dict[str, float] = {}
         self._verify_failed: dict[str, str] = {}
-        # verified requests by this engine's request id (-> prefill-side id), and those aborted before their verdict:
-        # their prefill side may free (and reuse) the blocks being checked, so a mismatch is no transfer's fault
-        self._verify_of: dict[str, str] = {}
-        self._verify_aborted: dict[str, None] = {}  # (ordered, bounded: a verdict may never come)
         self._verify_task: asyncio.Task | None = None
         self._verify_grace_until = 0.0
         self._verify_ms: list[float] = []
@@ -563,10 +559,7 @@ class EngineActor:
                 ms = (now - self._verify_seen.pop(req_id, now)) * 1e3
                 self._verify_ms = (self._verify_ms + [ms])[-UNREAD_STATS_KEPT:]
                 self._totals["verify_seconds"] += ms / 1e3
-                if remote_id in self._verify_aborted:  # aborted by its client: its prefill side let go
-                    del self._verify_aborted[remote_id]
-                    log.info("transfer verify: request %s was aborted before its verdict; not counted", remote_id)
-                elif req_id in bad:
+                if req_id in bad:
                     what = "; ".join(bad[req_id])
                     log.error("transfer verify failed: request %s, pair %s -> %s: %s", remote_id, prefill_id,
                               self.engine_id, what)
@@ -761,8 +754,6 @@ class EngineActor:
             params.prompt_logprobs = None
             params.skip_reading_prefix_cache = False
             remote_id = self._expect_verify_of(kv_transfer_params)
-            if remote_id is not None:
-                self._verify_of[request_id] = remote_id
         self._decodes += 1
         task = asyncio.get_running_loop().create_task(
             self._pump(channel, request_id, prompt_token_ids, params, remote_id, continued))
@@ -796,7 +787,6 @@ class EngineActor:
         finally:
             if verified is not None:
                 self._verify_expected.discard(verified)
-                self._verify_of.pop(request_id, None)
 
     def _continuation_detokenizer(self, prompt_token_ids: list[int], continued: int, params: Any) -> Any:
         """A detokenizer for a request whose prompt ends with `continued` output tokens the client already has: vLLM's
@@ -870,11 +860,6 @@ class EngineActor:
         return self.first_served_at
 
     async def abort(self, request_id: str) -> None:
-        remote_id = self._verify_of.pop(request_id, None)
-        if remote_id is not None and remote_id in self._verify_expected:  # no verdict yet: it no longer counts
-            self._verify_aborted[remote_id] = None
-            while len(self._verify_aborted) > VERIFY_FAILED_KEPT:
-                del self._verify_aborted[next(iter(self._verify_aborted))]
         if self.engine is not None:
             await self.engine.abort(request_id)
 
