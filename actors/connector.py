@@ -11,10 +11,11 @@ What changes against the stock connector, on the decode side only:
   * block mapping and descriptors: `cluster.planner.plan_request` turns the request's block ids into coalesced byte
     ranges; they are posted as NIXL READs built from exactly those ranges, one transfer per prefill rank.
 Completion, notifications to the prefill side (which then frees its blocks), expiry and failure handling are the
-stock connector's.
-On the prefill side, a request flagged `FIRST_TOKEN` in its transfer parameters runs its whole prompt and samples the
-first output token (vLLM's hybrid prefill side otherwise stops one token short and samples nothing anyone uses): the
-router streams that token at once and the decode engine continues from the prompt plus it (see cluster.router). The prefill side is the stock worker; its registration is read out with `pd_registration`.
+stock connector's. The prefill side is the stock worker; its registration is read out with `pd_registration`.
+Its scheduler (`FirstTokenScheduler`) lets a request flagged `FIRST_TOKEN` in its transfer parameters run its whole
+prompt and sample the first output token (vLLM's hybrid prefill side otherwise stops one token short and samples
+nothing anyone uses): the router streams that token at once and the decode engine continues from the prompt plus it
+(see cluster.router).
 On both sides the worker's main thread keeps its cores (the stock worker pins it to the last core on CPU hosts).
 """
 

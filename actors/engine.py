@@ -795,12 +795,14 @@ class EngineActor:
         one that ends inside a character (a sent token holding the first bytes of a UTF-8 sequence) is primed
         wrongly: its next text is the whole prompt's. None (vLLM's text stands) for slow tokenizers, requests
         without text, or when priming fails."""
+        if not continued:  # every decode request asks: most are not continuations
+            return None
         from types import SimpleNamespace
 
         from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, uses_fast_detokenizer
 
         tokenizer = self.engine.tokenizer
-        if not continued or tokenizer is None or not uses_fast_detokenizer(tokenizer) or params.detokenize is False:
+        if tokenizer is None or not uses_fast_detokenizer(tokenizer) or params.detokenize is False:
             return None
         request = SimpleNamespace(request_id="continued", sampling_params=params,
                                   prompt_token_ids=list(prompt_token_ids[:-continued]))

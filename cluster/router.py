@@ -187,9 +187,10 @@ class Router:
             try:
                 async with contextlib.aclosing(self._once(prompt, attempt_params, attempt_id, pair, avoid, prefer_not,
                                                           continued=len(sent))) as outs:
+                    original = list(prompt_token_ids) if sent else None  # one copy, not one per output
                     async for out in outs:
-                        if sent:  # a continuation: to the caller it is the same request
-                            out.prompt_token_ids, out.prompt_logprobs = list(prompt_token_ids), None
+                        if original is not None:  # a continuation: to the caller it is the same request
+                            out.prompt_token_ids, out.prompt_logprobs = original, None
                         if _is_delta(params) and out.outputs:
                             sent += list(out.outputs[0].token_ids)
                         yield out
@@ -302,9 +303,12 @@ class Router:
                     yield out
             return
         # the prefill engine sampled the first token: it goes out now; the decode engine continues from it
+        def let_go() -> None:  # no decode engine will read the state the prefill engine holds for it
+            self._background(self._release_prefill(prefill, prefilled["kv_transfer_params"]))
+
         reason = first.outputs[0].finish_reason if first.outputs else "no output"
         if reason not in ("length", "stop") or not first.outputs[0].token_ids:  # aborted (the engine is stopping)
-            self._background(self._release_prefill(prefill, prefilled["kv_transfer_params"]))
+            let_go()
             raise EngineFailure("prefill", p_id, f"the prefill engine ended the request without a first token ({reason})")
         self.first_from_prefill += 1
         finished = reason == "stop" or params.max_tokens == 1
@@ -314,19 +318,20 @@ class Router:
         first.prompt_logprobs = prefilled.get("prompt_logprobs")
         try:
             yield first
-        except BaseException:  # the consumer went away: no decode follows, free the state held for it
-            self._background(self._release_prefill(prefill, prefilled["kv_transfer_params"]))
+        except BaseException:  # the consumer went away
+            let_go()
             raise
-        if finished:  # the first token ended it (a stop token, or max_tokens 1): nobody reads the state
-            self._background(self._release_prefill(prefill, prefilled["kv_transfer_params"]))
+        if finished:  # the first token ended it (a stop token, or max_tokens 1)
+            let_go()
             return
         ids = list(first.outputs[0].token_ids)
         rest = continuation_params(params, len(ids))
+        original = list(prompt_token_ids)  # what the caller sent, on every output (one copy, not one per output)
         async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids + ids, rest, rid,
                                                     {**prefilled, "prompt_logprobs": None}, p_id, prefill,
                                                     continued + len(ids))) as outs:
             async for out in outs:
-                out.prompt_token_ids, out.prompt_logprobs = list(prompt_token_ids), None
+                out.prompt_token_ids, out.prompt_logprobs = original, None
                 yield out
 
     async def _colocated(self, prefills: list[str], prompt_token_ids, params, rid, avoid: set[str],
