@@ -460,6 +460,13 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         pair = self._pd_pairs.get(engine_id)
         if pair is None:
             return
+        hit = self._pd_local_hit(pair, meta)
+        if hit:  # the whole prompt was in this engine's prefix cache: a record that read nothing
+            self._pd_done.append({"request_id": meta.remote.request_id, "verify": False, "prefill_engine": engine_id,
+                                  "decode_rank": self.tp_rank, "remote_ranks": [], "descriptors": 0,
+                                  "descriptors_uncoalesced": 0, "bytes": 0, "tokens": meta.remote.num_tokens,
+                                  "cached_tokens": hit * pair.decode.block_size, "plan_us": 0.0, "ms": 0.0, "ok": True})
+            del self._pd_done[:-1000]
         consumers = pair.consumers()
         for r in pair.notify_ranks(self.tp_rank):
             try:
@@ -496,13 +503,20 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                         checks.append((r, region, sel[:, 1:4]))
         return {r: np.concatenate(p).astype(np.uint64) for r, p in parts.items()}
 
+    @staticmethod
+    def _pd_local_hit(pair: PairPlan, meta: Any) -> int:
+        """Blocks at the prompt's start this engine found in its own prefix cache (vLLM's scheduler then lists only the
+        blocks after them; an aborted request's clean-up lists none)."""
+        computed = meta.local_num_computed_blocks or ()
+        attn = [i for i, g in enumerate(pair.decode.groups) if g.kind == "attention"]
+        return min((computed[i] for i in attn), default=0) if computed else 0
+
     def _plan(self, pair: PairPlan, meta: Any) -> RequestPlan:
         remote_blocks = [list(g) for g in meta.remote.block_ids]
         local_blocks = [list(g) for g in meta.local_block_ids]
         d = pair.decode
         attn = [i for i, g in enumerate(d.groups) if g.kind == "attention"]
-        computed = meta.local_num_computed_blocks or ()
-        cached_blocks = min((computed[i] for i in attn), default=0) if computed else 0
+        cached_blocks = self._pd_local_hit(pair, meta)
         for i in attn:  # the scheduler lists only the uncached blocks: put them at their token positions
             local_blocks[i] = [-1] * cached_blocks + local_blocks[i]
         num_tokens = meta.remote.num_tokens or max(

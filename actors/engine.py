@@ -89,7 +89,7 @@ def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = 2048, dtyp
         tensor_parallel_size=tp,
         dtype=dtype,  # Qwen3-Next on CPU: the GDN kernel asserts "CPU GDN attention requires BF16."
         max_model_len=max_model_len,
-        enable_prefix_caching=False,  # the P/D transfer path rejects prefix caching today
+        enable_prefix_caching=False,  # off unless asked: the deploy config turns it on (`cluster.launch.prefix_caching`)
         distributed_executor_backend="mp",  # "ray" fails on CPU and is auto-picked inside placement groups
         disable_log_stats=True,
         # no torch.compile: on 2 cores a tiny model starts in ~15 s instead of ~45-90 s, and generates
@@ -255,8 +255,10 @@ class EngineActor:
         self.engine = None
         self.startup_s: float | None = None
         self._unread: list[dict[str, Any]] = []
+        # running totals for /metrics: a decode engine's reads, verify outcomes, and every engine's prompt tokens found
+        # in its own prefix cache (a prefill engine's prefills, a decode engine's reads and colocated requests)
         self._totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0,
-                        "verified": 0, "verify_failures": 0, "verify_seconds": 0.0}
+                        "verified": 0, "verify_failures": 0, "verify_seconds": 0.0, "cached_prompt_tokens": 0}
         # transfer.verify (cluster/verify.py): the fraction of requests verified; requests submitted for
         # verification and not finished (by prefill-side request id); landed reads by request and decode rank until
         # every rank's are in; verify failures by prefill-side request id (what ended them)
@@ -440,10 +442,12 @@ class EngineActor:
         for s in fresh:
             if not s.get("ok", True):  # a failed read moved nothing useful
                 continue
-            self._totals["transfers"] += 1
+            self._totals["transfers"] += bool(s["bytes"])  # a full local prefix hit reads nothing
             self._totals["bytes"] += s["bytes"]
             self._totals["descriptors"] += s["descriptors"]
             self._totals["seconds"] += s["ms"] / 1e3
+            if s["decode_rank"] == 0:  # every rank of a read reports the same local hit
+                self._totals["cached_prompt_tokens"] += s.get("cached_tokens", 0)
 
     async def transfer_stats(self) -> list[dict[str, Any]]:
         """Per request and decode rank: bytes, descriptors, milliseconds of the NIXL reads (drained on read)."""
@@ -453,8 +457,9 @@ class EngineActor:
         return out
 
     async def transfer_totals(self) -> dict[str, float]:
-        """Running totals of this (decode) engine's reads since start: transfers (one per request and decode rank),
-        bytes, descriptors, seconds. Not drained: what /metrics exports as counters."""
+        """Running totals since start: a decode engine's reads (transfers - one per request and decode rank -, bytes,
+        descriptors, seconds, verify outcomes) and any engine's cached_prompt_tokens (prompt tokens found in its own
+        prefix cache). Not drained: what /metrics exports as counters."""
         self._require_engine()
         await self._collect_stats()
         return dict(self._totals)
@@ -650,6 +655,7 @@ class EngineActor:
             await self.release([final.kv_transfer_params["remote_request_id"]])
             raise scored[0]
         self.first_served_at = self.first_served_at or time.time()
+        self._totals["cached_prompt_tokens"] += final.num_cached_tokens or 0
         kv_transfer_params = dict(final.kv_transfer_params)
         first = None
         if first_token is not None:
@@ -682,8 +688,12 @@ class EngineActor:
         params = SamplingParams(**sampling, extra_args=extra or None, output_kind=RequestOutputKind.DELTA)
         self._decodes += 1
         verified = (kv_transfer_params or {}).get("remote_request_id")
+        colocated = kv_transfer_params is None
         try:
             async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
+                if colocated:  # its prefix-cache hit (a read's is counted with the read)
+                    self._totals["cached_prompt_tokens"] += output.num_cached_tokens or 0
+                    colocated = False
                 c = output.outputs[0]
                 item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
                 if c.logprobs:
@@ -756,7 +766,7 @@ class EngineActor:
             remote_id = self._expect_verify_of(kv_transfer_params)
         self._decodes += 1
         task = asyncio.get_running_loop().create_task(
-            self._pump(channel, request_id, prompt_token_ids, params, remote_id, continued))
+            self._pump(channel, request_id, prompt_token_ids, params, remote_id, continued, kv_transfer_params is None))
         channel.tasks.add(task)
         task.add_done_callback(channel.tasks.discard)
         task.add_done_callback(self._pump_done)
@@ -765,14 +775,18 @@ class EngineActor:
         self._decodes -= 1
 
     async def _pump(self, channel: "_Outbox", request_id: str, prompt_token_ids: list[int], params: Any,
-                    verified: str | None = None, continued: int = 0) -> None:
+                    verified: str | None = None, continued: int = 0, colocated: bool = False) -> None:
         """Run one request, putting its outputs on its channel. `verified`: the prefill-side id of a request under
-        transfer.verify; if its check failed, its error output becomes a DecodeError saying so."""
+        transfer.verify; if its check failed, its error output becomes a DecodeError saying so. `colocated`: the
+        engine runs the whole prompt (its prefix-cache hit is counted here; a read's is counted with the read)."""
         detokenizer = self._continuation_detokenizer(prompt_token_ids, continued, params)
         try:
             async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params,
                                                      request_id=request_id):
                 self.first_served_at = self.first_served_at or time.time()
+                if colocated:
+                    self._totals["cached_prompt_tokens"] += output.num_cached_tokens or 0
+                    colocated = False
                 if detokenizer is not None and output.outputs:  # deltas (a continuation always streams them)
                     c = output.outputs[0]
                     c.text = "".join(detokenizer.decode_next(token) for token in c.token_ids)

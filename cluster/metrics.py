@@ -17,8 +17,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 class ServiceMetrics:
     """One registry per HTTP front end. `cluster_state` is set by the caller just before each scrape:
     {"pools": {(role, state): count}, "transfers": {"transfers", "bytes", "descriptors", "seconds", "verified",
-    "verify_failures"}, "retried": n, "failed_over": n, "first_from_prefill": n, "colocated": {role: n},
-    "degraded": role serving whole requests or None,
+    "verify_failures"}, "cached_prompt_tokens": {role: n}, "retried": n, "failed_over": n, "first_from_prefill": n,
+    "colocated": {role: n}, "degraded": role serving whole requests or None,
     "scaling": the coordinator's `pools()` (decision counts, each pool's latest signal, the last decisions)}."""
 
     def __init__(self) -> None:
@@ -97,6 +97,12 @@ class _ClusterCollector:
         for role in ("prefill", "decode"):
             degraded.add_metric([role], float(state.get("degraded") == role))
         yield degraded
+        cached = CounterMetricFamily("pd_cached_prompt_tokens", "Prompt tokens an engine found in its own prefix "
+                                     "cache (a prefill engine: not computed; a decode engine: not read), by pool",
+                                     labels=["role"])
+        for role in ("prefill", "decode"):
+            cached.add_metric([role], float(state.get("cached_prompt_tokens", {}).get(role, 0)))
+        yield cached
         t = state.get("transfers", {})
         for key, help_ in (("transfers", "NIXL transfers completed (one per request and decode rank)"),
                            ("bytes", "Bytes read over NIXL by decode engines"),

@@ -36,10 +36,15 @@ class PDCluster:
     """A coordinator and engines started together; `engines[(role, tp)]` -> handle."""
 
     def __init__(self, model_dir, layout: list[tuple[str, int]], namespace: str,
-                 engine_kwargs: dict[str, Any] | None = None):
+                 engine_kwargs: dict[str, Any] | None = None,
+                 per_engine: dict[tuple[str, int], dict[str, Any]] | None = None,
+                 extra_env: dict[str, str] | None = None):
+        """`engine_kwargs` go to every engine, `per_engine[(role, tp)]` to one (on top); `extra_env` to every engine's
+        processes."""
         self.coordinator = CoordinatorActor.options(name=f"coordinator-{namespace}").remote()
         launched = {
-            (role, tp): launch_engine_actor(model_dir, tp, role=role, engine_id=f"{role}-tp{tp}", engine_kwargs=engine_kwargs)
+            (role, tp): launch_engine_actor(model_dir, tp, role=role, engine_id=f"{role}-tp{tp}", extra_env=extra_env,
+                                            engine_kwargs={**(engine_kwargs or {}), **(per_engine or {}).get((role, tp), {})})
             for role, tp in layout
         }
         self.engines = {k: h for k, (h, _) in launched.items()}

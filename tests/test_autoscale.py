@@ -43,9 +43,11 @@ def scaled(ray_local, gdn_model):
     fast = {"upscale_delay_s": 2, "downscale_delay_s": 8, "look_back_s": 2, "drain_timeout_s": 90}
     cfg = DeployConfig.model_validate({
         "model": {"path": str(gdn_model), "name": MODEL},
-        "prefill": {"tp": 1, "min_replicas": 1, "max_replicas": 2,
+        # the loads repeat a fixed set of prompts: with prefix caching the prefill engines would answer them from
+        # their caches and the prompt-heavy load would not load them (tests/test_prefix_caching.py covers caching)
+        "prefill": {"tp": 1, "min_replicas": 1, "max_replicas": 2, "enable_prefix_caching": False,
                     "scaling": {**fast, "target_queued_prompt_tokens": 3000}},
-        "decode": {"tp": DECODE_TP, "min_replicas": 1, "max_replicas": 2,
+        "decode": {"tp": DECODE_TP, "min_replicas": 1, "max_replicas": 2, "enable_prefix_caching": False,
                    "scaling": {**fast, "target_running_requests": 5}},
         "coordinator": {"name": "coordinator-autoscale", "namespace": "pd-test-autoscale"},
         "http": {"port": free_port()},

