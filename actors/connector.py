@@ -452,6 +452,8 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             "bytes": n_bytes,
             "tokens": plan.num_tokens,
             "cached_tokens": plan.first_token,
+            "local_blocks": [list(map(int, g)) for g in meta.local_block_ids],  # uncached only, logical ids
+            "remote_blocks": [list(map(int, g)) for g in meta.remote.block_ids],
             "plan_us": round(plan_us, 1),
             "t0": t0,
         }

@@ -12,6 +12,13 @@ only that long after a message and then naps 200 us between checks for the rest 
 the socket as before. The reader still checks the same flag between naps, so the message protocol is untouched
 (shortening vLLM's busy period instead, so that readers sleep on the socket sooner, lost wake-ups and stalled steps
 for 5 s here). `actors.engine.launch_engine_actor` sets it for prefill engines.
+
+PD_CPU_KERNEL_BLOCK (tests only): vLLM's CPU attention accepts any multiple of 32 as its kernel block, so vLLM gives a
+CPU engine one kernel block per logical block (`physical_blocks_per_logical` 1). With this variable set to a multiple
+of 32, the CPU attention declares that size as the only kernel block it supports, and vLLM splits every logical block
+into `block_size / PD_CPU_KERNEL_BLOCK` kernel blocks - the layout CUDA engines run (FlashAttention's 16-token kernel
+blocks under larger logical blocks), which the CPU kernel computes like any other. tests/test_block_geometry.py runs
+prefill and decode engines with different logical blocks under it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,26 @@ NAP_S = 0.0002
 
 
 def register() -> None:
+    _kernel_block()
+    _nap()
+
+
+def _kernel_block() -> None:
+    value = os.environ.get("PD_CPU_KERNEL_BLOCK")
+    if value is None:
+        return
+    size = int(value) if value.isdigit() else 0
+    if size <= 0 or size % 32:
+        raise ValueError(f"PD_CPU_KERNEL_BLOCK: the CPU attention's kernel blocks are multiples of 32 tokens, got {value!r}")
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    def kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        return [size]
+
+    CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(kernel_block_sizes)
+
+
+def _nap() -> None:
     value = os.environ.get("PD_SHM_SPIN_S")
     if value is None:
         return

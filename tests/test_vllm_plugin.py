@@ -49,3 +49,35 @@ def test_a_reader_past_its_spin_naps():
     assert got["patched"] is True
     assert got["wall"] >= 300 * 0.0002  # it slept between checks
     assert got["cpu"] < 0.5 * got["wall"], got  # and did not burn the core meanwhile
+
+
+KERNEL_PROBE = """
+import json
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+stock = CPUAttentionBackend.get_supported_kernel_block_sizes()
+from actors.vllm_plugin import register
+try:
+    register()
+    print(json.dumps({"stock": repr(stock), "sizes": repr(CPUAttentionBackend.get_supported_kernel_block_sizes())}))
+except ValueError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def kernel_probe(value: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PD_CPU_KERNEL_BLOCK", "PD_SHM_SPIN_S")}
+    if value is not None:
+        env["PD_CPU_KERNEL_BLOCK"] = value
+    r = subprocess.run([sys.executable, "-c", KERNEL_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_block_variable_sets_the_cpu_attention_kernel_block():
+    """PD_CPU_KERNEL_BLOCK (tests only): unset, vLLM's CPU attention keeps its own answer; set, it declares that one
+    kernel block size; anything but a positive multiple of 32 is refused naming the variable."""
+    unset = kernel_probe(None)
+    assert unset["sizes"] == unset["stock"]
+    assert kernel_probe("64")["sizes"] == "[64]"
+    for bad in ("48", "0", "-32", "x"):
+        assert "PD_CPU_KERNEL_BLOCK" in kernel_probe(bad)["error"], bad
