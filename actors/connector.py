@@ -108,6 +108,19 @@ def range_crc(addresses: Any, lengths: Any, crc: int = 0) -> int:
     return crc
 
 
+def noise_fill(address: int, length: int, dtype: str, rng: np.random.Generator, scale: float = 4.0) -> None:
+    """Overwrite `length` bytes at `address` with normal noise of element type `dtype` (finite values, so that a
+    corrupted state reaches the output as wrong numbers, not as NaN)."""
+    raw = np.frombuffer((ctypes.c_ubyte * length).from_address(address), dtype=np.uint8)
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    values = rng.normal(0.0, scale, length // itemsize).astype(np.float32)
+    body = raw[: len(values) * itemsize]
+    if dtype == "bfloat16":  # the upper half of a float32
+        body.view(np.uint16)[:] = (values.view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        body.view(np.dtype(dtype))[:] = values
+
+
 def _read_done(meta: Any, consumers: dict[int, int], rank: int) -> bytes:
     """The notification that tells prefill rank `rank` this decode rank is done with a request's blocks (with how
     many decode ranks it waits for, vLLM's "request id:consumers" message)."""
@@ -167,6 +180,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         self._pd_verify_passed: set[str] = set()
         self._pd_verify_failed: set[str] = set()
         self._pd_plant: int = 0  # reads still to corrupt on purpose after they land (pd_plant_corruption)
+        self._pd_noise: tuple[list[dict[str, Any]], int] | None = None  # test hook (pd_corrupt_next_read)
         self._pd_handshake_delay = 0.0  # test hook (pd_set_handshake_delay)
         self._pd_stale_dropped = 0  # handshakes whose agents were dropped because their plan was replaced meanwhile
         # per prefill engine: the generation of its installed plan, and the one its loaded agents were made under
@@ -331,6 +345,34 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         right after they land (what transfer.verify must catch)."""
         if rank == self.tp_rank:
             self._pd_plant = int(count)
+
+    def pd_corrupt_next_read(self, specs_by_rank: list[list[dict[str, Any]]], seed: int) -> None:
+        """Test hook: the next read that lands on this rank gets byte ranges of its pages overwritten with noise
+        before its request runs (one byte class of the state at a time: tests/test_state_sensitivity.py). Each spec:
+        {"group": cache group index, "region": region index, "dtype": element type of the bytes, "ranges":
+        [[offset, length], ...] within a page}, applied to the request's running state page for a state group and to
+        each of its uncached pages for an attention group. `specs_by_rank[r]` is rank r's list."""
+        specs = specs_by_rank[self.tp_rank] if self.tp_rank < len(specs_by_rank) else []
+        self._pd_noise = (list(specs), int(seed)) if specs else None
+
+    def _pd_add_noise(self, req_id: str, local_blocks: list[list[int]]) -> None:
+        specs, seed = self._pd_noise or ([], 0)
+        self._pd_noise = None
+        rng = np.random.default_rng(seed)
+        bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
+        layout = self._pd_own_layout
+        page = layout["page_bytes"]
+        for spec in specs:
+            blocks = local_blocks[spec["group"]]
+            pages = blocks[-1:] if layout["groups"][spec["group"]]["kind"] == "state" else blocks
+            for block in pages:
+                if not 0 <= block < self._logical_num_blocks:
+                    raise ValueError(f"block {block} is outside this rank's {self._logical_num_blocks} blocks")
+                for offset, length in spec["ranges"]:
+                    if offset < 0 or length < 0 or offset + length > page:
+                        raise ValueError(f"range ({offset}, {length}) falls outside a {page}-byte page")
+                    noise_fill(int(bases[spec["region"]]) + block * page + offset, length, spec["dtype"], rng)
+        logger.warning("overwrote %d byte classes of request %s with noise after its read landed", len(specs), req_id)
 
     # ---- handshake: from the negotiated plan ---------------------------------------------------------------------
     def _nixl_handshake(self, host, port, remote_tp_size, expected_engine_id, *args, **kwargs):  # type: ignore[override]
@@ -532,6 +574,11 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         now = time.perf_counter()
         for req_id in done | failed:
             info = self._pd_inflight.pop(req_id, None)
+            if info is not None and self._pd_noise is not None and req_id in done:
+                try:
+                    self._pd_add_noise(req_id, info["local_blocks"])
+                except Exception as e:  # noqa: BLE001 - a test hook: never out of vLLM's engine step
+                    logger.error("pd_corrupt_next_read on request %s failed: %s", req_id, e)
             if info is not None:
                 info["ms"] = round((now - info.pop("t0")) * 1e3, 3)
                 info["ok"] = req_id not in failed
@@ -631,5 +678,5 @@ class PDWorkerExtension:
 
 PD_METHODS = frozenset({"pd_registration", "pd_install_pair", "pd_remove_pair", "pd_stats", "pd_release",
                         "pd_pending_sends", "pd_remote_agents", "pd_nixl_knows", "pd_set_verify", "pd_verify_poll",
-                        "pd_verify_done", "pd_checksums", "pd_plant_corruption", "pd_set_handshake_delay",
-                        "pd_stale_handshakes"})
+                        "pd_verify_done", "pd_checksums", "pd_plant_corruption", "pd_corrupt_next_read",
+                        "pd_set_handshake_delay", "pd_stale_handshakes"})

@@ -481,6 +481,12 @@ class EngineActor:
         self._require_engine()
         await self._pd_call("pd_plant_corruption", count, rank)
 
+    async def corrupt_next_read(self, specs_by_rank: list[list[dict[str, Any]]], seed: int = 0) -> None:
+        """Test hook: overwrite byte ranges of the next read that lands on each rank with noise before its request
+        runs (`PlannedPullWorker.pd_corrupt_next_read`; `specs_by_rank[r]` for rank r)."""
+        self._require_engine()
+        await self._pd_call("pd_corrupt_next_read", specs_by_rank, seed)
+
     def verify_timings(self) -> list[float]:
         """Milliseconds from a verified request's first landed read to its verdict, oldest first (drained on read)."""
         out, self._verify_ms = self._verify_ms, []

@@ -140,14 +140,19 @@ def _model_class(kind: str):
 #
 # Tokens 3.. are split into N_BUCKETS buckets; the residual stream has one-hot subspaces:
 #   BIAS (constant 1) | SINK (1 on BOS only) | CUR (bucket of this token) | stage outputs | OUT | ID (random code)
-# Hybrid kinds (gdn, gdn-asym, mamba2): layers 0-2 are GDN / Mamba2 mixers that run a "skip-gram induction"
-#   lookup in their recurrent state: at each position s they store key = bucket(s-2) -> value = bucket(s), and
-#   position t queries key = bucket(t-1), so the answer is the bucket two after the latest earlier occurrence of
-#   bucket(t-1). Query and key come through the causal conv (taps t-1, t-2), so the conv state, the recurrent
-#   state (GDN: delta rule overwrite, no decay; Mamba2: decay 1/4 per token, so the latest match dominates and
-#   the memory reaches ~10 tokens back) and every head (its own permutation of the code) all carry the answer.
-#   Layer 3 (attention) looks the answer bucket up in the KV cache (keys = CUR) and copies it into ATT.
-#   The MLP of layer 3 is an AND gate: OUT[b] fires only if all mixer heads and attention agree on bucket b.
+# GDN kinds (gdn, gdn-asym): layers 0-2 are Gated DeltaNet mixers that run a "skip-gram" lookup in their recurrent
+#   state: at each position s they store key = bucket(s-3) -> value = bucket(s-1) (delta rule overwrite, no
+#   decay), and position t queries key = bucket(t-2): the answer is bucket(s-1) for the latest s with
+#   bucket(s-3) == bucket(t-2). Key, query and value come through the causal conv from the three earlier tokens,
+#   one tap each, so every row of the conv state and each of its Q, K and V channel groups carries part of every
+#   lookup. Each (layer, value head) is one memory unit that stores only the value buckets it owns
+#   (`bucket_owner`): a lookup is answered by exactly one recurrent head of one layer, which makes every head of
+#   every layer the only copy of some answers (`gdn_probe_prompts` finds a prompt for each).
+# mamba2: layers 0-2 are Mamba2 mixers with the older lookup: key = bucket(s-2) -> value = bucket(s), query
+#   bucket(t-1) (conv taps t-2, t-1 and the current token), decay 1/4 per token, so the latest match dominates and
+#   the memory reaches ~10 tokens back; every head carries the answer.
+#   In both, layer 3 (attention) looks the answer bucket up in the KV cache (keys = CUR) and copies it into ATT.
+#   The MLP of layer 3 is an AND gate: OUT[b] fires only if the mixers and attention agree on bucket b.
 # attn kind: four attention layers chain membership lookups A_l = g_l(A_{l-1}) (A_{-1} = CUR): "does bucket
 #   g_l(b) occur in the context?", with BOS as the attention sink for "no" (prompts should start with BOS).
 # Readout: the bucket's representative token when OUT fires (logit ~25-30), else the fixed successor of the
@@ -232,8 +237,15 @@ def _and_gate(gate_w, up_w, down_w, L, inputs: list[str], threshold: float, stee
         down_w[L["OUT"] + b, b] = 1.0
 
 
-def _gdn_lookup(la, L, gen, n_layers: int) -> None:
-    """Gated DeltaNet layer (HF Qwen3-Next layout) as a skip-gram associative memory, written into ANS."""
+def _gdn_lookup(la, L, gen, layer: int, n_layers: int) -> None:
+    """Gated DeltaNet layer (HF Qwen3-Next layout) as a skip-gram associative memory, written into ANS.
+
+    Query, key and value come through the causal conv from the three earlier tokens, one each (query: tap 1 =
+    bucket(t-2), key: tap 0 = bucket(t-3), value: tap 2 = bucket(t-1)), so every row of the conv state and each of
+    its Q, K and V channel groups carries part of the lookup. Each (layer, value head) is one memory unit that stores
+    only the value buckets it owns (`bucket_owner`): the others write zero under the key, which erases it there.
+    A lookup is answered by exactly one unit, so every recurrent head of every layer is the only copy of part of the
+    answers."""
     import math
 
     nk, nv = la.num_k_heads, la.num_v_heads
@@ -242,6 +254,7 @@ def _gdn_lookup(la, L, gen, n_layers: int) -> None:
     block = 2 * dk + 2 * r * dv  # per key head: [q | k | v (r heads) | z (r heads)]
     z_gate = 4.0
     spike = math.sqrt(dv) * z_gate / (1 + math.exp(-z_gate))  # gated-normed one-hot: sqrt(dv) * silu(z)
+    units = n_layers * nv
     for kh in range(nk):
         key_map = _code_map(gen, dk)
         for b in range(N_BUCKETS):
@@ -252,16 +265,23 @@ def _gdn_lookup(la, L, gen, n_layers: int) -> None:
             value_map = _code_map(gen, dv)
             v0, z0 = kh * block + 2 * dk + i * dv, kh * block + 2 * dk + r * dv + i * dv
             for b in range(N_BUCKETS):
+                if bucket_owner(b, units) != layer * nv + vh:
+                    continue
                 qkvz[v0 + value_map[b], L["CUR"] + b] = 4.0
-                la.out_proj.weight[L["ANS"] + b, vh * dv + value_map[b]] = 1.0 / (n_layers * nv * spike)
+                la.out_proj.weight[L["ANS"] + b, vh * dv + value_map[b]] = 1.0 / spike
             qkvz[z0 : z0 + dv, L["BIAS"]] = z_gate
             ba[kh * 2 * r + i, L["BIAS"]] = 12.0  # beta = sigmoid(12): overwrite the old value
     conv = la.conv1d.weight  # (channels [Q | K | V], 1, taps); tap 3 = current token
-    conv[: nk * dk, 0, 2] = 1.0  # query: bucket(t-1)
-    conv[nk * dk : 2 * nk * dk, 0, 1] = 1.0  # key: bucket(t-2)
-    conv[2 * nk * dk :, 0, 3] = 1.0  # value: bucket(t)
+    conv[: nk * dk, 0, 1] = 1.0  # query: bucket(t-2)
+    conv[nk * dk : 2 * nk * dk, 0, 0] = 1.0  # key: bucket(t-3)
+    conv[2 * nk * dk :, 0, 2] = 1.0  # value: bucket(t-1)
     la.A_log.fill_(-20.0)  # no decay
     la.norm.weight.fill_(1.0)
+
+
+def bucket_owner(bucket: int, units: int) -> int:
+    """The memory unit (layer * heads + head, over the mixer layers) that stores value `bucket`."""
+    return bucket % units
 
 
 def _mamba2_lookup(mb, L, gen, n_layers: int) -> None:
@@ -355,8 +375,8 @@ def sharpen(model, kind: str, generator) -> None:
     L = residual_layout(kind)
     layers = model.model.layers
     if kind in ("gdn", "gdn-asym"):
-        for layer in layers[:MIXER_LAYERS]:
-            _gdn_lookup(layer.linear_attn, L, generator, MIXER_LAYERS)
+        for i, layer in enumerate(layers[:MIXER_LAYERS]):
+            _gdn_lookup(layer.linear_attn, L, generator, i, MIXER_LAYERS)
         _attention_lookup(layers[3].self_attn, L, generator, "qwen3_next", "ANS", "ATT")
         moe = layers[3].mlp
         inter = moe.experts.gate_up_proj.shape[1] // 2
@@ -392,22 +412,82 @@ def _codes(seed: int):
 
 def expected_next_token(token_ids: list[int], seed: int = 0) -> int:
     """The greedy next token of a `gdn` / `gdn-asym` model built with `seed`, computed from the rule its weights
-    implement (a reference for end-to-end tests; Mamba2's memory fades after ~10 tokens, so it is not exact there).
+    implement (a reference for end-to-end tests).
 
-    Answer = the bucket two positions after the latest s <= t with bucket(s-2) == bucket(t-1); its representative
-    token if found, else the successor of the current token."""
-    bucket, rep, pred, cycle, _ = _codes(seed)
+    Answer = bucket(s-1) for the latest s <= t with bucket(s-3) == bucket(t-2); its representative token if found,
+    else the successor of the current token."""
+    bucket, rep = _codes(seed)[:2]
     b = [int(bucket[t]) for t in token_ids]
-    t = len(b) - 1
-    if t >= 1 and b[t - 1] >= 0:
-        for s in range(t, 1, -1):  # a special token at s erases the entry (delta rule with value 0)
-            if b[s - 2] == b[t - 1]:
-                if b[s] >= 0:
-                    return rep[b[s]]
-                break
-    if b[t] < 0:  # PAD / BOS / EOS
-        return int(cycle[token_ids[t]])
-    return int(cycle[(int((cycle == token_ids[t]).nonzero()) + 1) % len(cycle)])
+    s = gdn_lookup_position(b)
+    return rep[b[s - 1]] if s is not None else _successor(token_ids[-1], seed)
+
+
+def _successor(token: int, seed: int = 0) -> int:
+    """The token the readout falls back to after `token` when no lookup answers."""
+    bucket, _, _, cycle, _ = _codes(seed)
+    if bucket[token] < 0:  # PAD / BOS / EOS
+        return int(cycle[token])
+    return int(cycle[(int((cycle == token).nonzero()) + 1) % len(cycle)])
+
+
+def gdn_lookup_position(buckets: list[int], latest: int | None = None) -> int | None:
+    """The position s whose stored value (bucket(s-1), under key bucket(s-3)) answers the GDN lookup at the last
+    position t, or None when nothing answers (no key match, or a special token erased the entry). `latest` bounds s
+    (default t: the entry written at t itself counts)."""
+    t = len(buckets) - 1
+    if t < 2 or buckets[t - 2] < 0:
+        return None
+    for s in range(t if latest is None else latest, 2, -1):
+        if buckets[s - 3] == buckets[t - 2]:
+            return s if buckets[s - 1] >= 0 else None  # a special value erases the entry (delta rule, value 0)
+    return None
+
+
+def gdn_probe_prompts(kind: str, length: int = 120, seed: int = 0) -> dict[str, list[int]]:
+    """Prompts (BOS + random tokens) whose next token, decoded from the state after all but the last prompt token
+    (vLLM's P/D boundary), needs a given part of that state - for tests that corrupt one part and see the output
+    change:
+
+      "self": the lookup at the last position t is answered by the entry written at t itself (bucket(t-3) ==
+              bucket(t-2)), from every row of the conv state (key: t-3, query: t-2, value: t-1) in every channel
+              group, and with an older entry under the same key answering differently;
+      "unit U": answered by an entry that memory unit U (layer * value heads + head) stored before t: its
+              recurrent head alone holds it.
+
+    In every prompt the answer differs from the fallback (the current token's successor)."""
+    import random
+
+    units = MIXER_LAYERS * model_config(kind).linear_num_value_heads
+    bucket = _codes(seed)[0]
+    by_bucket: dict[int, list[int]] = {}
+    for token in range(3, VOCAB_SIZE):
+        by_bucket.setdefault(int(bucket[token]), []).append(token)
+    found: dict[str, list[int]] = {}
+    for trial in range(100_000):
+        rng = random.Random(trial)
+        prompt = [1] + [rng.randrange(3, VOCAB_SIZE) for _ in range(length - 1)]
+        t = length - 1
+        if trial % 2 == 0:  # try for "self": make bucket(t-3) == bucket(t-2)
+            prompt[t - 3] = rng.choice(by_bucket[int(bucket[prompt[t - 2]])])
+        b = token_buckets(prompt, seed)
+        s = gdn_lookup_position(b)
+        if s is None or expected_next_token(prompt, seed) == _successor(prompt[-1], seed):
+            continue
+        if s == t:
+            older = gdn_lookup_position(b, latest=t - 1)
+            if "self" not in found and (older is None or b[older - 1] != b[t - 1]):
+                found["self"] = prompt
+        else:
+            found.setdefault(f"unit {bucket_owner(b[s - 1], units)}", prompt)
+        if len(found) == units + 1:
+            return found
+    raise AssertionError(f"no probe prompts found for every unit of {kind}: {sorted(found)}")
+
+
+def token_buckets(token_ids: list[int], seed: int = 0) -> list[int]:
+    """Each token's bucket (-1 for PAD / BOS / EOS) in the model built with `seed`."""
+    bucket = _codes(seed)[0]
+    return [int(bucket[t]) for t in token_ids]
 
 
 def make_model(kind: str, seed: int):

@@ -120,3 +120,82 @@ def gather(coros) -> list:
         return await asyncio.gather(*coros)
 
     return asyncio.run(main())
+
+
+def byte_classes(registration: dict[str, Any], probes: dict[str, list[int]]) -> dict[str, tuple[list[int], list[list[dict]]]]:
+    """Every byte class a decode engine reads for a hybrid request, as (probe prompt, noise specs per rank) for
+    `EngineActor.corrupt_next_read`: each conv sub-projection (GDN Q, K, V; Mamba2 x, B, C) and each conv row in every
+    state layer, each recurrent head of each state layer (on the rank that holds it), attention K and V. Offsets come
+    from the engine's run-time layout (`cluster.layout`). `probes`: the model's probe prompts ("self" for the conv
+    and attention classes, "unit U" for recurrent head U = layer index among state layers * heads + head)."""
+    from cluster.hf_config import model_shape
+    from cluster.layout import layout_from_report
+
+    shape = model_shape(registration["hf_config"])
+    ranks = registration["ranks"]
+    lay = layout_from_report(ranks[0]["layout"], shape)
+    state, tp = shape.state, lay.tp
+    rows, elem = lay.conv_rows, lay.elem
+    places = [(g, region, layer) for g, group in enumerate(lay.groups) if group.kind == "state"
+              for region, layer in enumerate(group.layers)]
+    attention = [(g, region) for g, group in enumerate(lay.groups) if group.kind == "attention"
+                 for region in range(len(group.layers))]
+
+    def every_state_layer(ranges: list[tuple[int, int]], dtype: str) -> list[list[dict]]:
+        return [[{"group": g, "region": region, "dtype": dtype, "ranges": ranges} for g, region, _ in places]] * tp
+
+    out: dict[str, tuple[list[int], list[list[dict]]]] = {}
+    for proj, offset, dim in zip(state.conv_projs, lay.conv_proj_offsets(), lay.conv_proj_dims):
+        out[f"conv {proj.name}"] = (probes["self"], every_state_layer([(offset, dim * rows * elem)], lay.dtype))
+    channels = sum(lay.conv_proj_dims)
+    for r in range(rows):
+        out[f"conv row {r}"] = (probes["self"], every_state_layer([(c * rows * elem + r * elem, elem) for c in range(channels)], lay.dtype))
+    head_bytes = state.ssm.unit_elems * lay.ssm_elem
+    for i, (g, region, layer) in enumerate(sorted(places, key=lambda p: p[2])):
+        for head in range(state.ssm.units):
+            specs: list[list[dict]] = [[] for _ in range(tp)]
+            for rank in range(tp):
+                held = state.ssm.held_units(tp, rank)
+                if head in held:
+                    at = lay.ssm_offset + held.index(head) * head_bytes
+                    specs[rank].append({"group": g, "region": region, "dtype": lay.ssm_dtype, "ranges": [(at, head_bytes)]})
+            out[f"recurrent layer {layer} head {head}"] = (probes[f"unit {i * state.ssm.units + head}"], specs)
+    half = lay.kv_head_bytes // 2  # a KV head's K rows, then its V rows, in each kernel page
+    for name, start in (("attention K", 0), ("attention V", half)):
+        ranges = [(k * lay.kernel_page_bytes + h * lay.kv_head_bytes + start, half)
+                  for k in range(lay.physical_blocks_per_logical) for h in range(lay.kv_heads_local)]
+        out[name] = (probes["self"], [[{"group": g, "region": region, "dtype": lay.dtype, "ranges": ranges}
+                                       for g, region in attention]] * tp)
+    padding = lay.page_bytes - lay.min_state_page_bytes
+    if padding >= 4:  # a control: bytes of the state pages that the model never reads
+        out[CONTROL] = (probes["self"], every_state_layer([(lay.min_state_page_bytes, padding // 4 * 4)], "float32"))
+    return out
+
+
+CONTROL = "control: state page padding"
+
+
+def unseen_byte_classes(pd: PDCluster, prefill_id: str, decode_key: tuple[str, int], probes: dict[str, list[int]],
+                        max_tokens: int = 4) -> dict[str, list[int]]:
+    """Run each byte class's probe prompt from `prefill_id` to the decode engine `decode_key` (the decode engine
+    samples the first token, so it reads the state after all but the last prompt token) with that class overwritten
+    by noise right after the read lands. Returns the classes whose output stayed as without the noise (empty: every
+    class is seen). Each probe's clean output is checked against the model's rule first, and noise in bytes the model
+    never reads (the state pages' padding, where there is some) must leave the output as it was."""
+    decode = pd.engines[decode_key]
+    router = pd.routers["decode"]
+    classes = byte_classes(ray.get(decode.registration.remote()), probes)
+    clean = {}
+    unseen = {}
+    for i, (name, (prompt, specs)) in enumerate(classes.items()):
+        key = tuple(prompt)
+        if key not in clean:
+            clean[key] = gather([run_pair(router, prefill_id, pd.engine_id(*decode_key), prompt, max_tokens)])[0]
+            assert clean[key] == oracle(prompt, max_tokens), f"probe for {name}: the pair disagrees with the rule"
+        ray.get(decode.corrupt_next_read.remote(specs, i))
+        out = gather([run_pair(router, prefill_id, pd.engine_id(*decode_key), prompt, max_tokens)])[0]
+        if name == CONTROL:
+            assert out == clean[key], "noise in bytes the model never reads changed the output: the hook is off target"
+        elif out == clean[key]:
+            unseen[name] = out
+    return unseen

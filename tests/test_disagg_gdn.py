@@ -160,19 +160,31 @@ def test_first_token_from_the_prefill_engine(pd, reference):
 
 
 def test_text_continues_a_first_token_that_ends_inside_a_character(pd, gdn_model):
-    """The text clients read, not only the token ids. For this chat prompt the model's first token is the first byte
-    of a UTF-8 sequence (no text yet), and vLLM primes a request's detokenizer with its prompt: a decode engine given
+    """The text clients read, not only the token ids. For this prompt the model's first token is the first byte of a
+    UTF-8 sequence (no text yet), and vLLM primes a request's detokenizer with its prompt: a decode engine given
     prompt + that token would send the whole prompt as the next token's text. The decode engine detokenizes the
     continuation as the engine that sampled the first token would have - the same text as a colocated engine, with
     the first token from either engine, and on a continuation after a failover (prompt + sent tokens)."""
+    import random
+
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     tokenizer = AutoTokenizer.from_pretrained(gdn_model)
-    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "where does the state go?"}]
-    prompt = tokenizer(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
-                       add_special_tokens=False)["input_ids"]
+    text_prompt = tokenizer("where does the state go?")["input_ids"]
+
+    def lead_byte_prompt() -> list[int]:
+        """The text prompt + random tokens, the first whose first output token (by the model's rule) is a lone
+        UTF-8 lead byte."""
+        for seed in range(5000):
+            rng = random.Random(seed)
+            prompt = text_prompt + [rng.randrange(3, 1024) for _ in range(8)]
+            if tokenizer.decode([oracle(prompt, 1)[0]]) == "\ufffd":
+                return prompt
+        raise AssertionError("no prompt found whose first token is half a character")
+
+    prompt = lead_byte_prompt()
     first = oracle(prompt, 1)[0]
     assert tokenizer.decode([first]) == "\ufffd"  # a byte that only starts a character: the case under test
 
@@ -564,3 +576,15 @@ def test_shutdown_leaves_no_engine_processes_or_ports(pd):
     for port in ports:  # every side-channel listener is gone: its port binds again
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("d_tp", [1, 2])
+def test_the_output_sees_every_byte_class_that_moves(pd, d_tp):
+    """On a live decode engine, each byte class of the state it read (conv Q, K and V channels and each conv row in
+    every GDN layer, each recurrent head of each layer, attention K and V) overwritten with noise right after the read
+    lands, one class at a time, on probe prompts that need it (`cluster.models.gdn_probe_prompts`): the output
+    changes every time. So "disaggregated == colocated" here speaks for every byte that moves."""
+    from cluster.models import gdn_probe_prompts
+    from tests.pd_helpers import unseen_byte_classes
+
+    assert unseen_byte_classes(pd, "prefill-tp1", ("decode", d_tp), gdn_probe_prompts("gdn")) == {}

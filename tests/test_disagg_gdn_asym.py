@@ -57,3 +57,12 @@ def test_disaggregated_equals_colocated(pd, block, p_tp, d_tp, first):
     outs = gather(run_pair(pd.routers[first], f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p, max_tokens=8) for p in prompts_)
     for prompt, out in zip(prompts_, outs):
         assert out == oracle(prompt, 8), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}, first token: {first}"
+
+
+def test_the_output_sees_every_byte_class_that_moves(pd):
+    """As in test_disagg_gdn.py, on the asymmetric heads (the V channels twice the Q/K width - the offsets where the
+    reference system's bug lived): P TP 2 -> D TP 4, each decode rank reading parts of one prefill rank's page."""
+    from cluster.models import gdn_probe_prompts
+    from tests.pd_helpers import unseen_byte_classes
+
+    assert unseen_byte_classes(pd, "prefill-tp2", ("decode", 4), gdn_probe_prompts("gdn-asym")) == {}

@@ -113,7 +113,7 @@ def test_gdn_models_follow_their_rule_with_wide_margins(kind):
     assert greedy(model.to(torch.bfloat16), other, 12)[0] != out
 
 
-@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("kind", ["mamba2"])
 def test_decoding_reads_the_kv_cache_and_the_conv_and_recurrent_state(kind):
     """Prefill N-1 tokens, damage one piece of the cache, decode: the continuation changes (transformers cache)."""
     model = models.make_model(kind, 0)
@@ -143,3 +143,58 @@ def test_decoding_reads_the_kv_cache_and_the_conv_and_recurrent_state(kind):
     }
     for name, damage in damages.items():
         assert decode(damage) != clean, name
+
+
+def hf_decode(model, prompt: list[int], damage=None, steps: int = 4) -> list[int]:
+    """Prefill all but the last prompt token (vLLM's P/D boundary), let `damage` change the cache, decode greedily."""
+    with torch.no_grad():
+        cache = model(torch.tensor([prompt[:-1]]), use_cache=True).past_key_values
+        if damage:
+            damage(cache.layers)
+        out, token = [], prompt[-1]
+        for _ in range(steps):
+            step = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            cache, token = step.past_key_values, int(step.logits[0, -1].argmax())
+            out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gdn", "gdn-asym"])
+def test_every_state_byte_class_changes_the_output(kind):
+    """The transformers cache after all but the last token of each probe prompt (`gdn_probe_prompts`), one byte class
+    overwritten with noise at a time: each conv channel group (Q, K, V) and each conv row in every GDN layer, each
+    recurrent head of each layer, attention K and V - the next token changes every time. transformers keeps the
+    conv state's last 4 inputs; the 3 oldest of them are the rows vLLM transfers."""
+    model = models.make_model(kind, 0)
+    cfg = model.config
+    q = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    probes = models.gdn_probe_prompts(kind)
+    gen = torch.Generator().manual_seed(0)
+
+    def noise(t):
+        t.copy_(4 * torch.randn(t.shape, generator=gen).to(t.dtype))
+
+    def every_layer(fn):
+        return lambda layers: [fn(layers[i]) for i in range(models.MIXER_LAYERS)]
+
+    damages = {
+        "conv Q": ("self", every_layer(lambda la: noise(la.conv_states[0][:, :q, 1:]))),
+        "conv K": ("self", every_layer(lambda la: noise(la.conv_states[0][:, q : 2 * q, 1:]))),
+        "conv V": ("self", every_layer(lambda la: noise(la.conv_states[0][:, 2 * q :, 1:]))),
+        **{f"conv row {r}": ("self", every_layer(lambda la, r=r: noise(la.conv_states[0][:, :, 1 + r])))
+           for r in range(3)},
+        "attention K": ("self", lambda layers: noise(layers[3].keys)),
+        "attention V": ("self", lambda layers: noise(layers[3].values)),
+    }
+    for unit in range(models.MIXER_LAYERS * cfg.linear_num_value_heads):
+        layer, head = divmod(unit, cfg.linear_num_value_heads)
+        damages[f"recurrent layer {layer} head {head}"] = (
+            f"unit {unit}", lambda layers, layer=layer, head=head: noise(layers[layer].recurrent_states[0][:, head]))
+    unchanged = []
+    for name, (probe, damage) in damages.items():
+        prompt = probes[probe]
+        clean = hf_decode(model, prompt)
+        assert clean[0] == models.expected_next_token(prompt)
+        if hf_decode(model, prompt, damage)[0] == clean[0]:
+            unchanged.append(name)
+    assert not unchanged, f"{kind}: noise in these byte classes leaves the next token as it was: {unchanged}"
