@@ -15,8 +15,9 @@ Kinds (every sharded head count divides TP 1, 2 and 4):
 Random weights give nearly flat logits full of near-ties, so two correct runs that differ only numerically (TP 1
 vs TP 2 in bf16) pick different greedy tokens. So the weights are not noise: `sharpen` sets them to a small lookup
 circuit (described below) whose greedy output is an exact function of the context, with top-1/top-2 logit margins
-above 6, and which reads the attention KV cache and the GDN / Mamba2 conv and recurrent state at every step.
-`expected_next_token` states the rule for the GDN kinds, for end-to-end tests.
+above 4, and which needs every byte class of the state a P/D transfer moves: each conv row and channel group, each
+recurrent head of each layer, attention K and V. `expected_next_token` states the rule for the hybrid kinds, for
+end-to-end tests; `probe_prompts` finds prompts whose next token needs a given part of the state.
 """
 
 from __future__ import annotations
@@ -147,10 +148,10 @@ def _model_class(kind: str):
 #   one tap each, so every row of the conv state and each of its Q, K and V channel groups carries part of every
 #   lookup. Each (layer, value head) is one memory unit that stores only the value buckets it owns
 #   (`bucket_owner`): a lookup is answered by exactly one recurrent head of one layer, which makes every head of
-#   every layer the only copy of some answers (`gdn_probe_prompts` finds a prompt for each).
-# mamba2: layers 0-2 are Mamba2 mixers with the older lookup: key = bucket(s-2) -> value = bucket(s), query
-#   bucket(t-1) (conv taps t-2, t-1 and the current token), decay 1/4 per token, so the latest match dominates and
-#   the memory reaches ~10 tokens back; every head carries the answer.
+#   every layer the only copy of some answers (`probe_prompts` finds a prompt for each).
+# mamba2: layers 0-2 are Mamba2 mixers with the same lookup from the same conv taps, additive with decay 1/4 per
+#   token, so the latest match dominates, up to MAMBA2_WINDOW tokens back; head h of every layer stores the value
+#   buckets it owns, and each layer gives a third of the answer, so every head of every layer is needed.
 #   In both, layer 3 (attention) looks the answer bucket up in the KV cache (keys = CUR) and copies it into ATT.
 #   The MLP of layer 3 is an AND gate: OUT[b] fires only if the mixers and attention agree on bucket b.
 # attn kind: four attention layers chain membership lookups A_l = g_l(A_{l-1}) (A_{-1} = CUR): "does bucket
@@ -265,7 +266,7 @@ def _gdn_lookup(la, L, gen, layer: int, n_layers: int) -> None:
             value_map = _code_map(gen, dv)
             v0, z0 = kh * block + 2 * dk + i * dv, kh * block + 2 * dk + r * dv + i * dv
             for b in range(N_BUCKETS):
-                if bucket_owner(b, units) != layer * nv + vh:
+                if bucket_owner(b, units) != layer * nv + vh:  # memory_unit(kind, layer, vh)
                     continue
                 qkvz[v0 + value_map[b], L["CUR"] + b] = 4.0
                 la.out_proj.weight[L["ANS"] + b, vh * dv + value_map[b]] = 1.0 / spike
@@ -285,7 +286,13 @@ def bucket_owner(bucket: int, units: int) -> int:
 
 
 def _mamba2_lookup(mb, L, gen, n_layers: int) -> None:
-    """Mamba2 mixer (HF GraniteMoeHybrid layout) as a decaying skip-gram memory, written into ANS."""
+    """Mamba2 mixer (HF GraniteMoeHybrid layout) as a decaying skip-gram memory, written into ANS.
+
+    As in `_gdn_lookup`, key, query and value come from the three conv rows (B: bucket(t-3), C: bucket(t-2), x:
+    bucket(t-1)). Head h stores only the value buckets it owns (`bucket_owner(b, heads)`), the same in every layer;
+    each layer's answer is a third of ANS, so the AND gate needs all three. The decay (1/4 per token) makes the
+    latest match dominate; the gated RMSNorm's epsilon ends the memory MAMBA2_WINDOW tokens back (the value weight
+    puts that edge between two whole distances, where the gate's margin is widest)."""
     import math
 
     heads, hd, inner, state = mb.num_heads, mb.head_dim, mb.intermediate_size, mb.ssm_state_size
@@ -294,22 +301,26 @@ def _mamba2_lookup(mb, L, gen, n_layers: int) -> None:
     x0, b0, c0 = inner, 2 * inner, 2 * inner + state
     w[:inner, L["BIAS"]] = 4.0
     key_map = _code_map(gen, state)
-    spike = math.sqrt(inner / heads)  # group-normed: one spike per head
+    spike = math.sqrt(inner)  # normed over all heads (one group): one spike per layer
     for b in range(N_BUCKETS):
         w[b0 + key_map[b], L["CUR"] + b] = 30.0
         w[c0 + key_map[b], L["CUR"] + b] = 30.0
     for h in range(heads):
         value_map = _code_map(gen, hd)
         for b in range(N_BUCKETS):
-            w[x0 + h * hd + value_map[b], L["CUR"] + b] = 1000.0
-            mb.out_proj.weight[L["ANS"] + b, h * hd + value_map[b]] = 1.0 / (n_layers * heads * spike)
+            if bucket_owner(b, heads) == h:
+                w[x0 + h * hd + value_map[b], L["CUR"] + b] = 400.0
+                mb.out_proj.weight[L["ANS"] + b, h * hd + value_map[b]] = 1.0 / (n_layers * spike)
     conv = mb.conv1d.weight  # channels [x | B | C]
-    conv[:inner, 0, 3] = 1.0  # value: bucket(t)
-    conv[inner : inner + state, 0, 1] = 1.0  # key (B): bucket(t-2)
-    conv[inner + state :, 0, 2] = 1.0  # query (C): bucket(t-1)
+    conv[:inner, 0, 2] = 1.0  # value (x): bucket(t-1)
+    conv[inner : inner + state, 0, 0] = 1.0  # key (B): bucket(t-3)
+    conv[inner + state :, 0, 1] = 1.0  # query (C): bucket(t-2)
     # dt = softplus(0) = ln 2; decay per token exp(-dt * exp(A_log)) = 1/4
     mb.A_log.fill_(math.log(math.log(4) / math.log(2)))
     mb.norm.weight.fill_(1.0)
+
+
+MAMBA2_WINDOW = 12  # the farthest match (t - s) a Mamba2 lookup still answers from
 
 
 def _attention_lookup(at, L, gen, style: str, query_from: str, write_to: str, query_map=None) -> None:
@@ -410,15 +421,15 @@ def _codes(seed: int):
     return token_codes(torch.Generator().manual_seed(seed))
 
 
-def expected_next_token(token_ids: list[int], seed: int = 0) -> int:
-    """The greedy next token of a `gdn` / `gdn-asym` model built with `seed`, computed from the rule its weights
-    implement (a reference for end-to-end tests).
+def expected_next_token(token_ids: list[int], seed: int = 0, kind: str = "gdn") -> int:
+    """The greedy next token of a hybrid model (`gdn`, `gdn-asym` or `mamba2`) built with `seed`, computed from the
+    rule its weights implement (a reference for end-to-end tests).
 
-    Answer = bucket(s-1) for the latest s <= t with bucket(s-3) == bucket(t-2); its representative token if found,
-    else the successor of the current token."""
+    Answer = bucket(s-1) for the latest s <= t with bucket(s-3) == bucket(t-2) (`lookup_position`); its
+    representative token if found, else the successor of the current token."""
     bucket, rep = _codes(seed)[:2]
     b = [int(bucket[t]) for t in token_ids]
-    s = gdn_lookup_position(b)
+    s = lookup_position(kind, b)
     return rep[b[s - 1]] if s is not None else _successor(token_ids[-1], seed)
 
 
@@ -430,34 +441,55 @@ def _successor(token: int, seed: int = 0) -> int:
     return int(cycle[(int((cycle == token).nonzero()) + 1) % len(cycle)])
 
 
-def gdn_lookup_position(buckets: list[int], latest: int | None = None) -> int | None:
-    """The position s whose stored value (bucket(s-1), under key bucket(s-3)) answers the GDN lookup at the last
-    position t, or None when nothing answers (no key match, or a special token erased the entry). `latest` bounds s
-    (default t: the entry written at t itself counts)."""
+def lookup_position(kind: str, buckets: list[int], latest: int | None = None) -> int | None:
+    """The position s whose stored value (bucket(s-1), under key bucket(s-3)) answers the mixers' lookup at the last
+    position t, or None when nothing answers. GDN overwrites (delta rule): the latest key match answers, and a
+    special token's value (zero) erases the entry. Mamba2 adds with decay: the latest match with a real value
+    answers, if it is at most MAMBA2_WINDOW tokens back. `latest` bounds s (default t: the entry written at t
+    itself counts)."""
+    if kind not in ("gdn", "gdn-asym", "mamba2"):
+        raise ValueError(f"{kind!r} has no mixer lookup")
     t = len(buckets) - 1
     if t < 2 or buckets[t - 2] < 0:
         return None
     for s in range(t if latest is None else latest, 2, -1):
+        if kind == "mamba2" and t - s > MAMBA2_WINDOW:
+            return None
         if buckets[s - 3] == buckets[t - 2]:
-            return s if buckets[s - 1] >= 0 else None  # a special value erases the entry (delta rule, value 0)
+            if buckets[s - 1] >= 0:
+                return s
+            if kind != "mamba2":
+                return None  # the delta rule wrote value 0: the entry is gone
     return None
 
 
-def gdn_probe_prompts(kind: str, length: int = 120, seed: int = 0) -> dict[str, list[int]]:
+def memory_unit(kind: str, layer: int, head: int) -> int:
+    """The memory unit of recurrent head `head` of mixer layer `layer`: the (layer, head) pair for GDN, the head for
+    Mamba2 (whose layers store the same buckets in the same head)."""
+    return head if kind == "mamba2" else layer * model_config(kind).linear_num_value_heads + head
+
+
+def _mixer_heads(kind: str) -> int:
+    cfg = model_config(kind)
+    return cfg.mamba_n_heads if kind == "mamba2" else cfg.linear_num_value_heads
+
+
+def probe_prompts(kind: str, length: int = 120, seed: int = 0) -> dict[str, list[int]]:
     """Prompts (BOS + random tokens) whose next token, decoded from the state after all but the last prompt token
     (vLLM's P/D boundary), needs a given part of that state - for tests that corrupt one part and see the output
     change:
 
       "self": the lookup at the last position t is answered by the entry written at t itself (bucket(t-3) ==
               bucket(t-2)), from every row of the conv state (key: t-3, query: t-2, value: t-1) in every channel
-              group, and with an older entry under the same key answering differently;
-      "unit U": answered by an entry that memory unit U (layer * value heads + head) stored before t: its
-              recurrent head alone holds it.
+              group, and an older entry under the same key would answer differently (Mamba2: one token older);
+      "layer L head H": answered by an entry stored before t in the memory unit of recurrent head H of mixer layer
+              L (`memory_unit`), which no other head of that layer holds.
 
     In every prompt the answer differs from the fallback (the current token's successor)."""
     import random
 
-    units = MIXER_LAYERS * model_config(kind).linear_num_value_heads
+    heads = _mixer_heads(kind)
+    wanted = {"self"} | {f"layer {layer} head {h}" for layer in range(MIXER_LAYERS) for h in range(heads)}
     bucket = _codes(seed)[0]
     by_bucket: dict[int, list[int]] = {}
     for token in range(3, VOCAB_SIZE):
@@ -467,21 +499,33 @@ def gdn_probe_prompts(kind: str, length: int = 120, seed: int = 0) -> dict[str, 
         rng = random.Random(trial)
         prompt = [1] + [rng.randrange(3, VOCAB_SIZE) for _ in range(length - 1)]
         t = length - 1
-        if trial % 2 == 0:  # try for "self": make bucket(t-3) == bucket(t-2)
-            prompt[t - 3] = rng.choice(by_bucket[int(bucket[prompt[t - 2]])])
+        if trial % 2 == 0:  # try for "self": make bucket(t-3) == bucket(t-2) (Mamba2: bucket(t-4) too)
+            for i in (t - 3, t - 4) if kind == "mamba2" else (t - 3,):
+                prompt[i] = rng.choice(by_bucket[int(bucket[prompt[t - 2]])])
         b = token_buckets(prompt, seed)
-        s = gdn_lookup_position(b)
-        if s is None or expected_next_token(prompt, seed) == _successor(prompt[-1], seed):
+        s = lookup_position(kind, b)
+        if s is None or expected_next_token(prompt, seed, kind) == _successor(prompt[-1], seed):
             continue
         if s == t:
-            older = gdn_lookup_position(b, latest=t - 1)
-            if "self" not in found and (older is None or b[older - 1] != b[t - 1]):
+            older = lookup_position(kind, b, latest=t - 1)
+            # Mamba2 only weakens what a garbled key or value writes (its RMSNorm restores the scale): the next
+            # match, one token older, must be there to take over with another answer
+            differs = older is not None and b[older - 1] != b[t - 1]
+            if "self" not in found and (differs if kind == "mamba2" else older is None or differs):
                 found["self"] = prompt
         else:
-            found.setdefault(f"unit {bucket_owner(b[s - 1], units)}", prompt)
-        if len(found) == units + 1:
+            for layer in range(MIXER_LAYERS):
+                for h in range(heads):
+                    if memory_unit(kind, layer, h) == bucket_owner(b[s - 1], memory_units(kind)):
+                        found.setdefault(f"layer {layer} head {h}", prompt)
+        if set(found) == wanted:
             return found
-    raise AssertionError(f"no probe prompts found for every unit of {kind}: {sorted(found)}")
+    raise AssertionError(f"no probe prompts found for every head of {kind}: missing {sorted(wanted - set(found))}")
+
+
+def memory_units(kind: str) -> int:
+    """How many memory units the mixers of `kind` have (`memory_unit`)."""
+    return _mixer_heads(kind) * (1 if kind == "mamba2" else MIXER_LAYERS)
 
 
 def token_buckets(token_ids: list[int], seed: int = 0) -> list[int]:

@@ -16,13 +16,13 @@ from cluster.router import Router
 MAX_TOKENS = 12
 
 
-def oracle(prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
-    """The greedy continuation the tiny GDN model's weights implement (`cluster.models.expected_next_token`)."""
+def oracle(prompt: list[int], n: int = MAX_TOKENS, kind: str = "gdn") -> list[int]:
+    """The greedy continuation the tiny hybrid model's weights implement (`cluster.models.expected_next_token`)."""
     from cluster.models import expected_next_token
 
     ids = list(prompt)
     for _ in range(n):
-        ids.append(expected_next_token(ids))
+        ids.append(expected_next_token(ids, kind=kind))
     return ids[len(prompt):]
 
 
@@ -126,8 +126,8 @@ def byte_classes(registration: dict[str, Any], probes: dict[str, list[int]]) -> 
     """Every byte class a decode engine reads for a hybrid request, as (probe prompt, noise specs per rank) for
     `EngineActor.corrupt_next_read`: each conv sub-projection (GDN Q, K, V; Mamba2 x, B, C) and each conv row in every
     state layer, each recurrent head of each state layer (on the rank that holds it), attention K and V. Offsets come
-    from the engine's run-time layout (`cluster.layout`). `probes`: the model's probe prompts ("self" for the conv
-    and attention classes, "unit U" for recurrent head U = layer index among state layers * heads + head)."""
+    from the engine's run-time layout (`cluster.layout`). `probes`: the model's probe prompts (`cluster.models.probe_prompts`:
+    "self" for the conv and attention classes, "layer L head H" for recurrent head H of the L-th state layer)."""
     from cluster.hf_config import model_shape
     from cluster.layout import layout_from_report
 
@@ -159,7 +159,7 @@ def byte_classes(registration: dict[str, Any], probes: dict[str, list[int]]) -> 
                 if head in held:
                     at = lay.ssm_offset + held.index(head) * head_bytes
                     specs[rank].append({"group": g, "region": region, "dtype": lay.ssm_dtype, "ranges": [(at, head_bytes)]})
-            out[f"recurrent layer {layer} head {head}"] = (probes[f"unit {i * state.ssm.units + head}"], specs)
+            out[f"recurrent layer {layer} head {head}"] = (probes[f"layer {i} head {head}"], specs)
     half = lay.kv_head_bytes // 2  # a KV head's K rows, then its V rows, in each kernel page
     for name, start in (("attention K", 0), ("attention V", half)):
         ranges = [(k * lay.kernel_page_bytes + h * lay.kv_head_bytes + start, half)
@@ -175,23 +175,25 @@ def byte_classes(registration: dict[str, Any], probes: dict[str, list[int]]) -> 
 CONTROL = "control: state page padding"
 
 
-def unseen_byte_classes(pd: PDCluster, prefill_id: str, decode_key: tuple[str, int], probes: dict[str, list[int]],
+def unseen_byte_classes(pd: PDCluster, prefill_id: str, decode_key: tuple[str, int], kind: str,
                         max_tokens: int = 4) -> dict[str, list[int]]:
     """Run each byte class's probe prompt from `prefill_id` to the decode engine `decode_key` (the decode engine
     samples the first token, so it reads the state after all but the last prompt token) with that class overwritten
     by noise right after the read lands. Returns the classes whose output stayed as without the noise (empty: every
     class is seen). Each probe's clean output is checked against the model's rule first, and noise in bytes the model
     never reads (the state pages' padding, where there is some) must leave the output as it was."""
+    from cluster.models import probe_prompts
+
     decode = pd.engines[decode_key]
     router = pd.routers["decode"]
-    classes = byte_classes(ray.get(decode.registration.remote()), probes)
+    classes = byte_classes(ray.get(decode.registration.remote()), probe_prompts(kind))
     clean = {}
     unseen = {}
     for i, (name, (prompt, specs)) in enumerate(classes.items()):
         key = tuple(prompt)
         if key not in clean:
             clean[key] = gather([run_pair(router, prefill_id, pd.engine_id(*decode_key), prompt, max_tokens)])[0]
-            assert clean[key] == oracle(prompt, max_tokens), f"probe for {name}: the pair disagrees with the rule"
+            assert clean[key] == oracle(prompt, max_tokens, kind), f"probe for {name}: the pair disagrees with the rule"
         ray.get(decode.corrupt_next_read.remote(specs, i))
         out = gather([run_pair(router, prefill_id, pd.engine_id(*decode_key), prompt, max_tokens)])[0]
         if name == CONTROL:

@@ -568,6 +568,17 @@ def _greedy():
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
 
+@pytest.mark.parametrize("d_tp", [1, 2])
+def test_the_output_sees_every_byte_class_that_moves(pd, d_tp):
+    """On a live decode engine, each byte class of the state it read (conv Q, K and V channels and each conv row in
+    every GDN layer, each recurrent head of each layer, attention K and V) overwritten with noise right after the read
+    lands, one class at a time, on probe prompts that need it (`cluster.models.probe_prompts`): the output
+    changes every time. So "disaggregated == colocated" here speaks for every byte that moves."""
+    from tests.pd_helpers import unseen_byte_classes
+
+    assert unseen_byte_classes(pd, "prefill-tp1", ("decode", d_tp), "gdn") == {}
+
+
 def test_shutdown_leaves_no_engine_processes_or_ports(pd):
     pids, ports = pd.stop()
     assert len(pids) >= 4 * 3 and len(ports) == 4
@@ -577,14 +588,3 @@ def test_shutdown_leaves_no_engine_processes_or_ports(pd):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
 
-
-@pytest.mark.parametrize("d_tp", [1, 2])
-def test_the_output_sees_every_byte_class_that_moves(pd, d_tp):
-    """On a live decode engine, each byte class of the state it read (conv Q, K and V channels and each conv row in
-    every GDN layer, each recurrent head of each layer, attention K and V) overwritten with noise right after the read
-    lands, one class at a time, on probe prompts that need it (`cluster.models.gdn_probe_prompts`): the output
-    changes every time. So "disaggregated == colocated" here speaks for every byte that moves."""
-    from cluster.models import gdn_probe_prompts
-    from tests.pd_helpers import unseen_byte_classes
-
-    assert unseen_byte_classes(pd, "prefill-tp1", ("decode", d_tp), gdn_probe_prompts("gdn")) == {}

@@ -1,12 +1,13 @@
 """Disaggregated prefill/decode on the tiny Mamba2 hybrid (GraniteMoeHybrid, n_groups 1: B/C replicated on every
-rank) at (P, D) TP = (1, 2) and (2, 1), against the same requests run colocated on one engine."""
+rank) at (P, D) TP = (1, 2) and (2, 1), against the same requests run colocated on one engine and the rule the
+model's weights implement (`cluster.models.expected_next_token`, kind mamba2)."""
 
 from __future__ import annotations
 
 import pytest
 
 from cluster.models import ensure_model
-from tests.pd_helpers import PDCluster, colocated, gather, prompts, run_pair
+from tests.pd_helpers import PDCluster, colocated, gather, oracle, prompts, run_pair, unseen_byte_classes
 
 pytestmark = pytest.mark.engine
 
@@ -23,10 +24,11 @@ def pd(ray_local):
 
 @pytest.fixture(scope="module")
 def reference(pd):
-    """Each request run whole on one engine (decode TP 1 and prefill TP 2, no transfer): they agree."""
+    """Each request run whole on one engine (decode TP 1 and prefill TP 2, no transfer): they agree, and follow the
+    model's rule."""
     a = gather(colocated(pd.engines[("decode", 1)], p) for p in prompts())
     b = gather(colocated(pd.engines[("prefill", 2)], p) for p in prompts())
-    assert a == b
+    assert a == b == [oracle(p, kind="mamba2") for p in prompts()]
     return a
 
 
@@ -50,3 +52,32 @@ def test_replicated_groups_read_from_one_rank_each(pd, reference):
     for r in reads:
         by_region.setdefault(r["region"], []).append(r["remote_rank"])
     assert by_region == {"conv0": [0, 1], "conv1": [0], "conv2": [0], "ssm": [0, 1]}
+
+
+@pytest.mark.parametrize("p_tp, d_tp", PAIRS)
+def test_the_output_sees_every_byte_class_that_moves(pd, p_tp, d_tp):
+    """As in test_disagg_gdn.py: noise in each conv channel group (x, B, C) and each conv row in every Mamba2 layer,
+    each recurrent head of each layer, attention K and V, right after the decode engine's read lands, changes the
+    output; noise in bytes the model never reads does not."""
+    assert unseen_byte_classes(pd, f"prefill-tp{p_tp}", ("decode", d_tp), "mamba2") == {}
+
+
+@pytest.mark.parametrize("first", ["prefill", "decode"])
+@pytest.mark.parametrize("p_tp, d_tp", PAIRS)
+def test_prompts_on_block_boundaries(pd, p_tp, d_tp, first):
+    """Transferred tokens a few, one short of a block, exactly one block and several blocks (with the first token
+    from the prefill engine the whole prompt is transferred, from the decode engine all but its last token): the
+    model's rule, token for token, and the decode engine read exactly that many tokens."""
+    import ray
+
+    decode = pd.engines[("decode", d_tp)]
+    block = ray.get(decode.registration.remote())["ranks"][0]["layout"]["block_size"]
+    whole = first == "prefill"  # prompts() adds a BOS: a length n gives n + 1 tokens
+    lengths = (3, block - 1, block, 2 * block + 39)
+    cases = prompts(seed=43, lengths=[n - whole for n in lengths])
+    ray.get(decode.transfer_stats.remote())  # drain earlier requests
+    outs = gather(run_pair(pd.routers[first], f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p) for p in cases)
+    for prompt, out in zip(cases, outs):
+        assert out == oracle(prompt, kind="mamba2"), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}, first: {first}"
+    read = sorted({s["tokens"] for s in ray.get(decode.transfer_stats.remote())})
+    assert read == sorted(lengths), read

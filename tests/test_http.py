@@ -210,7 +210,7 @@ def test_n_choices_each_equal_their_seeded_colocated_run(served, client, tokeniz
 EXTENSIONS = {
     "top_k=1": {"temperature": 2.0, "seed": 3, "top_k": 1},
     "min_p": {"temperature": 2.0, "seed": 3, "min_p": 0.5},
-    "repetition_penalty": {"temperature": 2.0, "seed": 3, "repetition_penalty": 1.8},
+    "repetition_penalty": {"temperature": 2.0, "seed": 3, "repetition_penalty": 4.0},
     "frequency_penalty": {"temperature": 2.0, "seed": 3, "frequency_penalty": 2.0},
     "stop_token_ids": {"temperature": 0.0, "stop_token_ids": "<3rd greedy token>"},
     "min_tokens": {"temperature": 0.0, "min_tokens": 3, "stop_token_ids": "<2nd greedy token>"},

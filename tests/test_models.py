@@ -95,8 +95,8 @@ def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]
     return ids[len(prompt):], margins
 
 
-@pytest.mark.parametrize("kind", ["gdn", "gdn-asym"])
-def test_gdn_models_follow_their_rule_with_wide_margins(kind):
+@pytest.mark.parametrize("kind", ["gdn", "gdn-asym", "mamba2"])
+def test_hybrid_models_follow_their_rule_with_wide_margins(kind):
     """The circuit in transformers: tokens match `expected_next_token`, bf16 == fp32, top-1/top-2 margin > 4."""
     model = models.make_model(kind, 0)
     g = torch.Generator().manual_seed(1)
@@ -104,45 +104,13 @@ def test_gdn_models_follow_their_rule_with_wide_margins(kind):
     out, margins = greedy(model, prompt, 12)
     ids = list(prompt)
     for token in out:
-        assert token == models.expected_next_token(ids)
+        assert token == models.expected_next_token(ids, kind=kind)
         ids.append(token)
     assert min(margins) > 4
     assert greedy(model.float(), prompt, 12)[0] == out
     # the context matters: change early tokens (not the last three) and the continuation changes
     other = prompt[:1] + torch.randint(3, models.VOCAB_SIZE, (37,), generator=g).tolist() + prompt[-3:]
     assert greedy(model.to(torch.bfloat16), other, 12)[0] != out
-
-
-@pytest.mark.parametrize("kind", ["mamba2"])
-def test_decoding_reads_the_kv_cache_and_the_conv_and_recurrent_state(kind):
-    """Prefill N-1 tokens, damage one piece of the cache, decode: the continuation changes (transformers cache)."""
-    model = models.make_model(kind, 0)
-    prompt = [1] + torch.randint(3, models.VOCAB_SIZE, (60,), generator=torch.Generator().manual_seed(2)).tolist()
-
-    def decode(damage=None) -> list[int]:
-        with torch.no_grad():
-            cache = model(torch.tensor([prompt[:-1]]), use_cache=True).past_key_values
-            if damage:
-                damage(cache.layers)
-            out, token = [], prompt[-1]
-            for _ in range(12):
-                step = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-                cache, token = step.past_key_values, int(step.logits[0, -1].argmax())
-                out.append(token)
-        return out
-
-    clean = decode()
-    assert clean == decode()
-    damages = {
-        "recurrent state of layer 0": lambda layers: layers[0].recurrent_states[0].zero_(),
-        "conv state of layer 1": lambda layers: layers[1].conv_states[0].zero_(),
-        "recurrent state heads swapped": lambda layers: layers[2].recurrent_states[0].copy_(
-            layers[2].recurrent_states[0].roll(1, dims=1)
-        ),
-        "attention KV": lambda layers: layers[3].values.normal_(generator=torch.Generator().manual_seed(0)),
-    }
-    for name, damage in damages.items():
-        assert decode(damage) != clean, name
 
 
 def hf_decode(model, prompt: list[int], damage=None, steps: int = 4) -> list[int]:
@@ -159,16 +127,21 @@ def hf_decode(model, prompt: list[int], damage=None, steps: int = 4) -> list[int
     return out
 
 
-@pytest.mark.parametrize("kind", ["gdn", "gdn-asym"])
+@pytest.mark.parametrize("kind", ["gdn", "gdn-asym", "mamba2"])
 def test_every_state_byte_class_changes_the_output(kind):
-    """The transformers cache after all but the last token of each probe prompt (`gdn_probe_prompts`), one byte class
-    overwritten with noise at a time: each conv channel group (Q, K, V) and each conv row in every GDN layer, each
-    recurrent head of each layer, attention K and V - the next token changes every time. transformers keeps the
-    conv state's last 4 inputs; the 3 oldest of them are the rows vLLM transfers."""
+    """The transformers cache after all but the last token of each probe prompt (`probe_prompts`), one byte class
+    overwritten with noise at a time: each conv channel group (GDN Q, K, V; Mamba2 x, B, C) and each conv row in
+    every mixer layer, each recurrent head of each layer, attention K and V - the next token changes every time.
+    transformers keeps the conv state's last 4 inputs; the 3 newest of them are the rows vLLM transfers."""
     model = models.make_model(kind, 0)
     cfg = model.config
-    q = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    probes = models.gdn_probe_prompts(kind)
+    if kind == "mamba2":
+        inner = cfg.mamba_expand * cfg.hidden_size
+        splits, heads = [0, inner, inner + cfg.mamba_d_state, None], cfg.mamba_n_heads
+    else:
+        q = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        splits, heads = [0, q, 2 * q, None], cfg.linear_num_value_heads
+    probes = models.probe_prompts(kind)
     gen = torch.Generator().manual_seed(0)
 
     def noise(t):
@@ -178,23 +151,23 @@ def test_every_state_byte_class_changes_the_output(kind):
         return lambda layers: [fn(layers[i]) for i in range(models.MIXER_LAYERS)]
 
     damages = {
-        "conv Q": ("self", every_layer(lambda la: noise(la.conv_states[0][:, :q, 1:]))),
-        "conv K": ("self", every_layer(lambda la: noise(la.conv_states[0][:, q : 2 * q, 1:]))),
-        "conv V": ("self", every_layer(lambda la: noise(la.conv_states[0][:, 2 * q :, 1:]))),
+        **{f"conv channels {i}": ("self", every_layer(lambda la, a=a, b=b: noise(la.conv_states[0][:, a:b, 1:])))
+           for i, (a, b) in enumerate(zip(splits, splits[1:]))},
         **{f"conv row {r}": ("self", every_layer(lambda la, r=r: noise(la.conv_states[0][:, :, 1 + r])))
            for r in range(3)},
         "attention K": ("self", lambda layers: noise(layers[3].keys)),
         "attention V": ("self", lambda layers: noise(layers[3].values)),
     }
-    for unit in range(models.MIXER_LAYERS * cfg.linear_num_value_heads):
-        layer, head = divmod(unit, cfg.linear_num_value_heads)
-        damages[f"recurrent layer {layer} head {head}"] = (
-            f"unit {unit}", lambda layers, layer=layer, head=head: noise(layers[layer].recurrent_states[0][:, head]))
+    for layer in range(models.MIXER_LAYERS):
+        for head in range(heads):
+            damages[f"recurrent layer {layer} head {head}"] = (
+                f"layer {layer} head {head}",
+                lambda layers, layer=layer, head=head: noise(layers[layer].recurrent_states[0][:, head]))
     unchanged = []
     for name, (probe, damage) in damages.items():
         prompt = probes[probe]
         clean = hf_decode(model, prompt)
-        assert clean[0] == models.expected_next_token(prompt)
+        assert clean[0] == models.expected_next_token(prompt, kind=kind)
         if hf_decode(model, prompt, damage)[0] == clean[0]:
             unchanged.append(name)
     assert not unchanged, f"{kind}: noise in these byte classes leaves the next token as it was: {unchanged}"

@@ -31,13 +31,17 @@ print(json.dumps({"patched": patched, "cpu": time.process_time() - cpu0, "wall":
 """
 
 
-def probe(env_value: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PD_SHM_SPIN_S"}
-    if env_value is not None:
-        env["PD_SHM_SPIN_S"] = env_value
-    r = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+def run_probe(script: str, **variables: str | None) -> dict:
+    """Run `script` in a fresh interpreter with the plugin's variables set as given (None: unset); its last line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PD_SHM_SPIN_S", "PD_CPU_KERNEL_BLOCK")}
+    env.update({k: v for k, v in variables.items() if v is not None})
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def probe(env_value: str | None) -> dict:
+    return run_probe(PROBE, PD_SHM_SPIN_S=env_value)
 
 
 def test_inert_without_its_variable():
@@ -65,12 +69,7 @@ except ValueError as e:
 
 
 def kernel_probe(value: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PD_CPU_KERNEL_BLOCK", "PD_SHM_SPIN_S")}
-    if value is not None:
-        env["PD_CPU_KERNEL_BLOCK"] = value
-    r = subprocess.run([sys.executable, "-c", KERNEL_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_probe(KERNEL_PROBE, PD_CPU_KERNEL_BLOCK=value)
 
 
 def test_kernel_block_variable_sets_the_cpu_attention_kernel_block():
