@@ -319,10 +319,16 @@ def assert_left_cleanly(cluster, role: str, since: float) -> None:
     assert leave["engine_id"] not in desc["engines"]
     assert all(leave["engine_id"] not in (p["prefill"], p["decode"]) for p in desc["pairs"])
     started = cluster.watch.started.get(leave["engine_id"], {})
-    alive = [p for p in cluster.watch.pids.get(leave["engine_id"], []) if psutil.pid_exists(p) and
-             psutil.Process(p).status() != psutil.STATUS_ZOMBIE and _started(p) == started.get(p)]  # not a reused pid
     assert cluster.watch.pids.get(leave["engine_id"]), "never saw the leaving engine's processes"
-    assert not alive, f"processes of {leave['engine_id']} outlived it: {alive}"
+
+    def alive() -> list[int]:
+        return [p for p in cluster.watch.pids.get(leave["engine_id"], []) if psutil.pid_exists(p) and
+                psutil.Process(p).status() != psutil.STATUS_ZOMBIE and _started(p) == started.get(p)]  # not a reused pid
+
+    deadline = time.monotonic() + 15  # a signalled process may still be exiting on a busy machine; a leak stays
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(), f"processes of {leave['engine_id']} outlived it by 15 s: {alive()}"
 
 
 def test_a_dead_engine_is_replaced(scaled):
