@@ -348,7 +348,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
 
     def pd_corrupt_next_read(self, specs_by_rank: list[list[dict[str, Any]]], seed: int) -> None:
         """Test hook: the next read that lands on this rank gets byte ranges of its pages overwritten with noise
-        before its request runs (one byte class of the state at a time: tests/test_state_sensitivity.py). Each spec:
+        before its request runs (one byte class of the state at a time: tests/pd_helpers.py, byte_classes). Each spec:
         {"group": cache group index, "region": region index, "dtype": element type of the bytes, "ranges":
         [[offset, length], ...] within a page}, applied to the request's running state page for a state group and to
         each of its uncached pages for an attention group. `specs_by_rank[r]` is rank r's list."""
