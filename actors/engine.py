@@ -1033,16 +1033,23 @@ def launch_engine_actor(
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     num_gpus: int = 0,
     namespace: str | None = None,
+    label_selector: dict[str, str] | None = None,
+    resources: dict[str, float] | None = None,
     **actor_kwargs: Any,
 ):
     """Create an `EngineActor` and begin its start; returns (handle, ref to the startup seconds).
     Lets a caller start several engines at once. `actor_kwargs` go to the actor (role, engine_id, served_model,
     max_model_len, dtype, device). On CUDA hosts pass `num_gpus=tp`: Ray then sets the actor's CUDA_VISIBLE_DEVICES,
-    which vLLM's worker processes inherit."""
+    which vLLM's worker processes inherit. `label_selector` / `resources`: the Ray nodes it may run on (a pool's
+    `placement`)."""
     env = launch_env(tp, extra_env, actor_kwargs.get("role"))
     options: dict[str, Any] = {"runtime_env": {"env_vars": env}}
     if num_gpus:
         options["num_gpus"] = num_gpus
+    if label_selector:
+        options["label_selector"] = label_selector
+    if resources:
+        options["resources"] = resources
     if name is not None:
         options["name"] = name
     if namespace is not None:

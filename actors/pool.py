@@ -173,7 +173,9 @@ def pool_deployment(role: str, spec: dict[str, Any], min_replicas: int, max_repl
 
     options: dict[str, Any] = {
         "name": f"{role}-pool",
-        "ray_actor_options": {"num_cpus": 0},
+        # next to its engine (a pool's placement labels; the replica checks on its own node that the engine's
+        # processes are gone)
+        "ray_actor_options": {"num_cpus": 0, **({"label_selector": spec["labels"]} if spec.get("labels") else {})},
         # the controller kills a replica this long after asking it to stop: drain, then engine shutdown (<= 60 s)
         "graceful_shutdown_timeout_s": scaling["drain_timeout_s"] + 90,
         "graceful_shutdown_wait_loop_s": 0.5,

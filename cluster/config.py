@@ -4,6 +4,7 @@ and the HTTP endpoint. A bad file is rejected with each field's path and the rea
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -53,6 +54,45 @@ class ScalingConfig(_Strict):
         120, gt=0, le=3600, description="a departing engine waits this long for its requests (and unread prefilled state)")
 
 
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+RESOURCE_NAME = re.compile(r"[A-Za-z0-9_.:/-]+")
+RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+class PlacementConfig(_Strict):
+    """Where a pool's engines may run in a multi-node Ray cluster. Nothing set: any node (one machine: here).
+    `labels` are matched against the labels a node was started with (`ray start --labels key=value`); the pool's Serve
+    replicas follow the same labels, so each replica sits next to its engine. `resources` are custom Ray resources
+    (`ray start --resources '{"name": amount}'`) that each engine takes while it runs: a node's amount bounds how many
+    of the pool's engines it hosts."""
+
+    labels: dict[str, str] = Field(default_factory=dict, description="node labels each engine's node must carry")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each engine takes")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not key or not value:
+                raise ValueError(f"label {key!r}: keys and values must be non-empty, got {key!r}: {value!r}")
+            if key.startswith("ray.io/"):
+                raise ValueError(f"label {key!r}: the ray.io/ prefix is Ray's own")
+        return v
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, amount in v.items():
+            if name in RAY_OWN_RESOURCES:
+                raise ValueError(f"resource {name!r}: a Ray built-in, not a custom resource (engines take no CPUs "
+                                 "from Ray; GPUs follow the pool's tp)")
+            if not RESOURCE_NAME.fullmatch(name):
+                raise ValueError(f"resource {name!r}: letters, digits and _ . : / - only")
+            if not amount > 0:
+                raise ValueError(f"resource {name!r}: the amount must be > 0, got {amount}")
+        return v
+
+
 class PoolConfig(_Strict):
     tp: int = Field(1, ge=1, le=8)
     min_replicas: int = Field(1, ge=1, le=64, description="engines always running (a pool cannot scale to zero)")
@@ -64,6 +104,18 @@ class PoolConfig(_Strict):
         "prefill engine then computes only the prompt past its longest cached prefix, a decode engine reads only the "
         "attention blocks it lacks plus the state. Default: on wherever vLLM serves it (not for Mamba state on CPU)")
     scaling: ScalingConfig = ScalingConfig()
+    placement: PlacementConfig = PlacementConfig()
+    env: dict[str, str] = Field(
+        default_factory=dict, description="extra environment of the pool's engines (vLLM's processes inherit it), e.g. "
+        "UCX_TLS / UCX_NET_DEVICES for NIXL's transport; it overrides the project's per-engine defaults")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not ENV_NAME.fullmatch(name):
+                raise ValueError(f"env: {name!r} is not an environment variable name")
+        return v
 
     @field_validator("tp")
     @classmethod

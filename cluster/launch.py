@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.config import DeployConfig, DeployError, load_deploy
+from cluster.config import DeployConfig, DeployError, PoolConfig, load_deploy
 
 
 def say(msg: str) -> None:
@@ -80,9 +80,16 @@ def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cl
     progress(f"model {cfg.model.name}: {model_dir}")
     caching = {role: prefix_caching(cfg, role, model_dir) for role in ("prefill", "decode")}  # refused before a start
     progress("prefix caching: " + ", ".join(f"{role} {'on' if on else 'off'}" for role, on in caching.items()))
-    # restarted by Ray if it dies; it then rebuilds its registry from the live engines (named, same namespace)
+    # restarted by Ray if it dies; it then rebuilds its registry from the live engines (named, same namespace).
+    # It prefers the launcher's node (with the HTTP front end: on a multi-node cluster, not on a node that a pool
+    # grows onto and loses), and restarts elsewhere if that node is gone.
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     coordinator = CoordinatorActor.options(
-        name=cfg.coordinator.name, namespace=cfg.coordinator.namespace, get_if_exists=True, max_restarts=-1
+        name=cfg.coordinator.name, namespace=cfg.coordinator.namespace, get_if_exists=True, max_restarts=-1,
+        scheduling_strategy=here,
     ).remote(namespace=cfg.coordinator.namespace)
     return Cluster(cfg, model_dir, coordinator)
 
@@ -98,6 +105,7 @@ def pool_spec(cluster: Cluster, role: str) -> dict[str, Any]:
         "device_options": _device_options(cfg, role, cluster.model_dir),
         "coordinator": cfg.coordinator.name, "namespace": cfg.coordinator.namespace,
         "drain_timeout_s": pool.scaling.drain_timeout_s,
+        "labels": dict(pool.placement.labels),  # the replicas run next to their engines
     }
 
 
@@ -110,6 +118,7 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     from actors.pool import pool_app_name, pool_deployment
 
     t0 = time.monotonic()
+    check_placement(cfg, ray.nodes())
     cluster = _start_coordinator(cfg, progress)
     serve.start(proxy_location="Disabled")  # the pools take no HTTP: the front end (actors.frontend) serves it
     # Serve applications outlive a driver that was killed: pools of an earlier run would keep engines that this
@@ -170,6 +179,7 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
     from actors.engine import launch_engine_actor, stop_engine_actors
 
     t0 = time.monotonic()
+    check_placement(cfg, ray.nodes())
     cluster = _start_coordinator(cfg, progress)
     coordinator = cluster.coordinator
 
@@ -256,16 +266,48 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
 
     pool = getattr(cfg, role)
     engine_kwargs: dict[str, Any] = {"enable_prefix_caching": prefix_caching(cfg, role, model_dir)}
+    placement = engine_placement(pool)
     if cfg.device == "cuda":
         engine_kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
-        return {"num_gpus": pool.tp, "engine_kwargs": engine_kwargs, "extra_env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}}
+        return {"num_gpus": pool.tp, "engine_kwargs": engine_kwargs,
+                "extra_env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", **pool.env}, **placement}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(pool.kv_cache_gib)))}
     if role == "decode" and cfg.transfer.verify:
         env[VERIFY_ENV] = repr(cfg.transfer.verify)
     block_size = cpu_block_size(cfg, model_dir)
     if block_size is not None:
         engine_kwargs["block_size"] = block_size
-    return {"extra_env": env, "engine_kwargs": engine_kwargs}
+    return {"extra_env": {**env, **pool.env}, "engine_kwargs": engine_kwargs, **placement}
+
+
+def check_placement(cfg: DeployConfig, nodes: list[dict[str, Any]]) -> None:
+    """Refuse, naming the field, a pool whose `placement` no live node of the Ray cluster satisfies (`nodes` as
+    `ray.nodes()` lists them): its engines would wait for a node forever."""
+    alive = [n for n in nodes if n.get("Alive")]
+    for role in ("prefill", "decode"):
+        want = getattr(cfg, role).placement
+        if not want.labels and not want.resources:
+            continue
+        fits = [n for n in alive
+                if all((n.get("Labels") or {}).get(k) == v for k, v in want.labels.items())
+                and all((n.get("Resources") or {}).get(r, 0) >= amount for r, amount in want.resources.items())]
+        if not fits:
+            seen = "; ".join(f"{n.get('NodeManagerAddress')}: labels "
+                             f"{ {k: v for k, v in (n.get('Labels') or {}).items() if not k.startswith('ray.io/')} }, "
+                             f"resources { {k: v for k, v in (n.get('Resources') or {}).items() if not k.startswith('node:')} }"
+                             for n in alive)
+            raise DeployError(f"{role}.placement: no live Ray node has labels {want.labels} and resources "
+                              f"{want.resources} (nodes: {seen})")
+
+
+def engine_placement(pool: PoolConfig) -> dict[str, Any]:
+    """The Ray actor options that keep a pool's engines on the nodes its `placement` names (none: any node)."""
+    placement: dict[str, Any] = {}
+    if pool.placement.labels:
+        placement["label_selector"] = dict(pool.placement.labels)
+    if pool.placement.resources:
+        placement["resources"] = dict(pool.placement.resources)
+    return placement
 
 
 def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) -> dict[str, Any]:
@@ -278,6 +320,8 @@ def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) 
     return {
         "env": launch_env(pool.tp, opts.get("extra_env"), role),
         "num_gpus": opts.get("num_gpus", 0),
+        "label_selector": opts.get("label_selector", {}),
+        "resources": opts.get("resources", {}),
         "vllm_args": vllm_engine_args(model_dir, pool.tp, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype,
                                       engine_kwargs=opts.get("engine_kwargs"), role=role, engine_id=engine_id,
                                       device=cfg.device),

@@ -65,6 +65,13 @@ def test_gpu_example_is_4p2d(tmp_path, monkeypatch):
         ({"transfer": {"verify": 1.5}}, "transfer.verify", "off, all or a fraction"),
         ({"transfer": {"verify": "sometimes"}}, "transfer.verify", "off, all or a fraction"),
         ({"transfer": {"verify": "all"}, "device": "cuda"}, "(top)", "transfer.verify: checksums are computed by the CPU over DRAM"),
+        ({"decode": {"placement": {"resources": {"CPU": 1}}}}, "decode.placement.resources", "a Ray built-in"),
+        ({"decode": {"placement": {"resources": {"slot": 0}}}}, "decode.placement.resources", "must be > 0"),
+        ({"decode": {"placement": {"resources": {"a b": 1}}}}, "decode.placement.resources", "letters, digits"),
+        ({"prefill": {"placement": {"labels": {"ray.io/node-id": "x"}}}}, "prefill.placement.labels", "Ray's own"),
+        ({"prefill": {"placement": {"labels": {"pd-node": ""}}}}, "prefill.placement.labels", "non-empty"),
+        ({"prefill": {"placement": {"nodes": ["a"]}}}, "prefill.placement.nodes", "Extra inputs are not permitted"),
+        ({"prefill": {"env": {"UCX TLS": "tcp"}}}, "prefill.env", "not an environment variable name"),
     ],
 )
 def test_bad_fields_are_named(tmp_path, data, field, reason):
@@ -109,6 +116,42 @@ def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
     assert _device_options(cfg, "decode", tmp_path)["extra_env"][VERIFY_ENV] == "0.1"
     assert VERIFY_ENV not in _device_options(cfg, "prefill", tmp_path)["extra_env"]
     assert VERIFY_ENV not in _device_options(DeployConfig(), "decode", tmp_path)["extra_env"]
+
+
+def test_placement_and_env_reach_the_engines(tmp_path):
+    """A pool's placement becomes its engines' Ray options (and its replicas' labels); its env, their environment."""
+    from cluster.launch import Cluster, engine_launch, pool_spec
+    from cluster.models import model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
+    cfg = DeployConfig.model_validate({
+        "prefill": {"placement": {"resources": {"pd_prefill_slot": 1}}},
+        "decode": {"tp": 2, "placement": {"labels": {"pd-node": "decode"}}, "env": {"UCX_TLS": "tcp", "OMP_WAIT_POLICY": "ACTIVE"}},
+    })
+    decode = engine_launch(cfg, "decode", str(tmp_path), "decode-0")
+    prefill = engine_launch(cfg, "prefill", str(tmp_path), "prefill-0")
+    assert decode["label_selector"] == {"pd-node": "decode"} and decode["resources"] == {}
+    assert prefill["resources"] == {"pd_prefill_slot": 1.0} and prefill["label_selector"] == {}
+    assert decode["env"]["UCX_TLS"] == "tcp" and decode["env"]["OMP_WAIT_POLICY"] == "ACTIVE"  # the pool's word wins
+    assert "UCX_TLS" not in prefill["env"] and prefill["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    cluster = Cluster(cfg, tmp_path, coordinator=None)
+    assert pool_spec(cluster, "decode")["labels"] == {"pd-node": "decode"} and pool_spec(cluster, "prefill")["labels"] == {}
+
+
+def test_a_placement_no_node_satisfies_is_refused_naming_the_field():
+    from cluster.launch import check_placement
+
+    nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.11", "Labels": {"pd-node": "prefill"}, "Resources": {"CPU": 2.0}},
+             {"Alive": False, "NodeManagerAddress": "10.0.0.12", "Labels": {"pd-node": "decode"}, "Resources": {"slot": 4.0}}]
+    fine = DeployConfig.model_validate({"prefill": {"placement": {"labels": {"pd-node": "prefill"}}}})
+    check_placement(fine, nodes)
+    check_placement(DeployConfig(), [])  # no placement: any node, nothing to check
+    # the labels only a dead node has, the resources only a dead node has, labels and resources not on one node
+    for placement in ({"labels": {"pd-node": "decode"}}, {"resources": {"slot": 1}},
+                      {"labels": {"pd-node": "prefill"}, "resources": {"slot": 1}}):
+        with pytest.raises(DeployError, match="decode.placement: no live Ray node has labels") as e:
+            check_placement(DeployConfig.model_validate({"decode": {"placement": placement}}), nodes)
+        assert "10.0.0.11: labels {'pd-node': 'prefill'}" in str(e.value)
 
 
 def test_the_verify_sample_is_a_function_of_the_request_id():
