@@ -380,11 +380,19 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
     @app.get("/health")
     async def health():
         """200 "ok" while a prefill/decode pair is ready; 200 "degraded" while only one pool has ready engines (they
-        serve requests whole); 503 (with Retry-After) when no engine can serve."""
+        serve requests whole); 200 "ok" with "coordinator": "unreachable..." while the coordinator does not answer
+        and the router serves on its last routes; 503 (with Retry-After) when no engine can serve."""
         try:
             ready = {role: await asyncio.wait_for(coordinator.ready.remote(role), 5) for role in ("prefill", "decode")}
             routes = await asyncio.wait_for(coordinator.routes.remote(), 5)
         except Exception as e:  # noqa: BLE001 - coordinator down or slow: unavailable, not an error page
+            try:  # the router serves on the coordinator's last routes while it restarts
+                routes = await router.routes()
+            except Exception:  # noqa: BLE001 - no routes to fall back on
+                routes = {}
+            if router.coordinator_unreachable and any(routes.values()):
+                return {"status": "ok", "model": settings.model_name, "coordinator": "unreachable: serving on its "
+                        "last routes", "ready": {"prefill": len(routes), "decode": len({d for ds in routes.values() for d in ds})}}
             return JSONResponse({"status": "unavailable", "model": settings.model_name, "error": type(e).__name__},
                                 status_code=503, headers=retry)
         paired = any(routes.values())
@@ -445,7 +453,8 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, dict[
         cached[engine_totals["role"]] += engine_totals.get("cached_prompt_tokens", 0)
     return {"pools": pools, "transfers": totals, "cached_prompt_tokens": cached, "retried": router.retried,
             "scaling": desc.get("pools", {}), "colocated": dict(router.colocated), "degraded": router.degraded,
-            "failed_over": router.failed_over, "first_from_prefill": router.first_from_prefill}
+            "failed_over": router.failed_over, "first_from_prefill": router.first_from_prefill,
+            "stale_routed": router.stale_routed}
 
 
 @ray.remote(num_cpus=0)

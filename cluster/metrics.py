@@ -75,17 +75,17 @@ class _ClusterCollector:
         for role, d in sorted(latest.items()):
             last.add_metric([role, d["direction"], str(d["before"]), str(d["after"]), d["reason"]], float(d["time"]))
         yield last
-        retried = CounterMetricFamily("pd_requests_retried", "Requests retried on another pair after an engine failure")
-        retried.add_metric([], float(state.get("retried", 0)))
-        yield retried
-        failed_over = CounterMetricFamily("pd_requests_failed_over", "Streams continued on another pair after their "
-                                          "engine failed mid-stream")
-        failed_over.add_metric([], float(state.get("failed_over", 0)))
-        yield failed_over
-        first = CounterMetricFamily("pd_first_tokens_from_prefill", "Requests whose first token the prefill engine "
-                                    "sampled (transfer.first_token_from_prefill); the others' came from the decode engine")
-        first.add_metric([], float(state.get("first_from_prefill", 0)))
-        yield first
+        for name, key, help_ in (
+                ("pd_requests_retried", "retried", "Requests retried on another pair after an engine failure"),
+                ("pd_requests_failed_over", "failed_over", "Streams continued on another pair after their engine "
+                 "failed mid-stream"),
+                ("pd_requests_on_last_routes", "stale_routed", "Requests routed on the coordinator's last routes "
+                 "while it did not answer (restarting)"),
+                ("pd_first_tokens_from_prefill", "first_from_prefill", "Requests whose first token the prefill "
+                 "engine sampled (transfer.first_token_from_prefill); the others' came from the decode engine")):
+            counter = CounterMetricFamily(name, help_)
+            counter.add_metric([], float(state.get(key, 0)))
+            yield counter
         colocated = CounterMetricFamily("pd_requests_colocated", "Requests served whole by one engine while no "
                                         "prefill/decode pair was ready (degraded mode), by that engine's pool",
                                         labels=["role"])

@@ -23,6 +23,8 @@
      request that raced the departure is retried on another pair.
   Degraded mode: while no pair is ready - the decode pool is empty, or the prefill pool is - one engine of the other
   pool runs each request whole (a prefill engine decodes, a decode engine prefills), with the same outputs.
+  While the coordinator is unreachable (it died and Ray is restarting it) the router keeps serving on the routes the
+  coordinator last gave it, with the engine handles it holds: those pairs' plans are installed in their engines.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import time
 import uuid
 from collections import Counter
 from typing import Any, AsyncIterator
@@ -45,6 +48,10 @@ from cluster.verify import TRANSFER_VERIFY_FAILED
 
 log = logging.getLogger("pd.router")
 COORDINATOR_TIMEOUT_S = 10.0
+# while a coordinator's answer is late by this much, its last routes serve (it is restarting, or wedged): an unread
+# answer costs every request this long; a wrong stale route costs a retry on another pair
+ROUTES_FALLBACK_AFTER_S = 1.0
+ROUTES_STALE_S = 300.0  # ... for at most this long after the last answer; then requests get 503
 FAILOVERS = 2  # a streaming request continues on another pair at most this often
 PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
 HELLO_TIMEOUT_S = 10.0  # a decode engine must reach a new channel's local socket within this
@@ -113,6 +120,29 @@ class Router:
         self.colocated: Counter[str] = Counter()
         self.degraded: str | None = None
         self.prefill_timeout_s = PREFILL_TIMEOUT_S
+        self._routes: tuple[float, dict[str, list[str]]] | None = None  # (when, the coordinator's last routes)
+        self.coordinator_unreachable = False  # the last routes question went unanswered
+        self.stale_routed = 0  # requests routed on the coordinator's last routes while it did not answer
+
+    async def routes(self) -> dict[str, list[str]]:
+        """Ready prefill engine -> approved ready decode engines, from the coordinator; while it does not answer
+        within ROUTES_FALLBACK_AFTER_S (dead and restarting, or wedged), the last routes it gave, for up to
+        ROUTES_STALE_S after they were given. The first answer is waited for as long as any coordinator call."""
+        if self._routes is None or time.monotonic() - self._routes[0] > ROUTES_STALE_S:
+            routes = await self._ask("routes")
+        else:
+            try:
+                routes = await asyncio.wait_for(self.coordinator.routes.remote(), ROUTES_FALLBACK_AFTER_S)
+            except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - RayActorError, ActorUnavailableError, ...
+                if not self.coordinator_unreachable:
+                    log.warning("the coordinator does not answer (%s): serving on its last routes", _cause(e))
+                self.coordinator_unreachable = True
+                return self._routes[1]
+        if self.coordinator_unreachable:
+            log.warning("the coordinator answers again")
+            self.coordinator_unreachable = False
+        self._routes = (time.monotonic(), routes)
+        return routes
 
     async def _ask(self, method: str, *args: Any) -> Any:
         """A coordinator call with a deadline; failures become CoordinatorUnavailable (a 503, not a 500)."""
@@ -255,7 +285,8 @@ class Router:
                     prefer_not: frozenset[str] | set[str] = frozenset(), continued: int = 0) -> AsyncIterator[Any]:
         """One attempt on one pair (or one engine, degraded). `continued`: the prompt's last tokens are output the
         caller already has (a failover's continuation)."""
-        routes = await self._ask("routes")
+        routes = await self.routes()
+        self.stale_routed += self.coordinator_unreachable
         prefills = [p for p in routes if p not in avoid]
         if pair is None:
             paired = [p for p in prefills if any(d not in avoid for d in routes[p])]
