@@ -7,6 +7,7 @@ import random
 import time
 from typing import Any
 
+import psutil
 import ray
 
 from actors.coordinator import CoordinatorActor
@@ -111,6 +112,54 @@ def wait_for(predicate, timeout_s: float, poll_s: float = 0.1) -> float:
             raise AssertionError(f"not true after {timeout_s} s")
         time.sleep(poll_s)
     return time.monotonic() - t0
+
+
+def processes_under(marker: str) -> list[psutil.Process]:
+    """A test cluster's daemons (their command lines name `marker`, e.g. its Ray temp dir) and everything below them."""
+    roots = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []):
+                roots.append(p)
+        except psutil.Error:
+            pass
+    found = {p.pid: p for p in roots}
+    for p in roots:
+        try:
+            found.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.Error:
+            pass
+    return [p for p in found.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def end_processes_under(marker: str) -> None:
+    """Terminate `processes_under(marker)`, then kill what is left and wait for it to be gone: a SIGKILLed gcs_server
+    can still read as running for a moment (CI saw one), and a daemon may start a child while its parent shuts down -
+    so take a few rounds before anything counts as a leak."""
+    for _ in range(3):
+        procs = processes_under(marker)
+        if not procs:
+            break
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+
+
+def metric(text: str, name: str) -> str:
+    """The value of `name` (with its labels, when it has any: 'pd_degraded{role="prefill"}') in a /metrics page."""
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return line.rsplit(" ", 1)[1]
+    raise AssertionError(f"{name} not in /metrics")
 
 
 def gather(coros) -> list:

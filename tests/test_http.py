@@ -18,7 +18,7 @@ import ray
 from actors.engine import free_port
 from cluster.config import DeployConfig
 from cluster.launch import start_cluster, start_http, stop_cluster
-from tests.pd_helpers import wait_for
+from tests.pd_helpers import metric, wait_for
 
 pytestmark = pytest.mark.engine
 KEY = "test-key-0123456789"
@@ -408,36 +408,30 @@ def test_client_disconnect_aborts_on_both_engines(served):
     assert ray.get(prefill.num_unfinished.remote()) == 0
     assert ray.get(prefill.pending_sends.remote(5.0)) == []
     metrics = httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    assert float(_metric(metrics, "pd_client_disconnects_total")) >= 1
+    assert float(metric(metrics, "pd_client_disconnects_total")) >= 1
 
-
-def _metric(text: str, name: str) -> str:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return line.rsplit(" ", 1)[1]
-    raise AssertionError(f"{name} not in /metrics")
 
 
 def test_metrics(served, client):
     client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
-    before = float(_metric(httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text,
+    before = float(metric(httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text,
                            "pd_first_tokens_from_prefill_total"))
     list(client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0, stream=True))
     text = httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    assert float(_metric(text, "pd_first_tokens_from_prefill_total")) == before + 1  # streamed greedy: from prefill
-    assert float(_metric(text, 'pd_requests_total{status="200"}')) >= 1
-    assert float(_metric(text, "pd_time_to_first_token_seconds_count")) >= 1
-    assert float(_metric(text, "pd_inter_token_latency_seconds_count")) >= 2
-    assert float(_metric(text, "pd_transfer_bytes_total")) > 0
-    assert float(_metric(text, "pd_transfer_seconds_total")) > 0
+    assert float(metric(text, "pd_first_tokens_from_prefill_total")) == before + 1  # streamed greedy: from prefill
+    assert float(metric(text, 'pd_requests_total{status="200"}')) >= 1
+    assert float(metric(text, "pd_time_to_first_token_seconds_count")) >= 1
+    assert float(metric(text, "pd_inter_token_latency_seconds_count")) >= 2
+    assert float(metric(text, "pd_transfer_bytes_total")) > 0
+    assert float(metric(text, "pd_transfer_seconds_total")) > 0
     # transfer.verify is "all" here: every request so far was checked, and none differed
-    assert float(_metric(text, "pd_transfer_verified_total")) >= 1
-    assert float(_metric(text, "pd_transfer_verify_failures_total")) == 0
-    assert float(_metric(text, 'pd_pool_engines{role="decode",state="ready"}')) == 1
-    assert float(_metric(text, 'pd_pool_engines{role="prefill",state="ready"}')) == 1
+    assert float(metric(text, "pd_transfer_verified_total")) >= 1
+    assert float(metric(text, "pd_transfer_verify_failures_total")) == 0
+    assert float(metric(text, 'pd_pool_engines{role="decode",state="ready"}')) == 1
+    assert float(metric(text, 'pd_pool_engines{role="prefill",state="ready"}')) == 1
     # prefix caching (on by default): the same 300-token prompt again - both engines find its first 256 tokens cached
     prompt = [1] + [random.Random(3).randrange(3, 1024) for _ in range(299)]
-    hits = lambda text: [float(_metric(text, f'pd_cached_prompt_tokens_total{{role="{r}"}}')) for r in ("prefill", "decode")]  # noqa: E731
+    hits = lambda text: [float(metric(text, f'pd_cached_prompt_tokens_total{{role="{r}"}}')) for r in ("prefill", "decode")]  # noqa: E731
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     before = hits(httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from actors.engine import free_port
+from tests.pd_helpers import end_processes_under, processes_under
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,24 +31,6 @@ def ray_cli(args: list[str], env: dict[str, str], timeout: float = 120) -> str:
     r = subprocess.run([str(BIN / "ray"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"ray {' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout + r.stderr
-
-
-def processes_under(marker: str) -> list[psutil.Process]:
-    """The test cluster's daemons (their command lines name its temp dir) and everything below them."""
-    roots = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if marker in " ".join(p.info["cmdline"] or []):
-                roots.append(p)
-        except psutil.Error:
-            pass
-    found = {p.pid: p for p in roots}
-    for p in roots:
-        try:
-            found.update({c.pid: c for c in p.children(recursive=True)})
-        except psutil.Error:
-            pass
-    return [p for p in found.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.fixture
@@ -66,25 +49,7 @@ def head(tmp_path):
     try:
         yield {"env": env, "address": f"http://127.0.0.1:{dashboard}", "temp_dir": temp_dir}
     finally:
-        # Terminate, then kill what is left and wait for it to be gone: a SIGKILLed gcs_server can still read as
-        # running for a moment (CI saw one), and a daemon may start a child while its parent shuts down - so take
-        # a few rounds before calling anything a leak.
-        for _ in range(3):
-            procs = processes_under(temp_dir)
-            if not procs:
-                break
-            for p in procs:
-                try:
-                    p.terminate()
-                except psutil.Error:
-                    pass
-            _, alive = psutil.wait_procs(procs, timeout=10)
-            for p in alive:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
-            psutil.wait_procs(alive, timeout=10)
+        end_processes_under(temp_dir)
         assert not processes_under(temp_dir)
         subprocess.run(["rm", "-rf", temp_dir])
 
