@@ -579,6 +579,26 @@ def test_the_output_sees_every_byte_class_that_moves(pd, d_tp):
     assert unseen_byte_classes(pd, "prefill-tp1", ("decode", d_tp), "gdn") == {}
 
 
+def test_colocated_text_prompts_agree_across_tp_with_sharp_logprobs(pd):
+    """A text prompt run whole on decode TP 1 and TP 2 (the tokenizer's BOS first): the same tokens and text, and at
+    every step a clear winner (the sharp tiny model)."""
+    prompt = "The prefill engine hands its cache blocks to the decode engine, and the decode engine"
+    outs = ray.get([pd.engines[("decode", tp)].generate.remote(prompt=prompt, max_tokens=8, logprobs=2) for tp in (1, 2)])
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["text"] == outs[1]["text"] and outs[0]["text"]
+    assert outs[0]["prompt_token_ids"][0] == 1
+    for step in outs[0]["logprobs"]:
+        (_, top_lp), (_, second_lp) = step[0], step[1]
+        assert top_lp > -0.01 and top_lp - second_lp > 4
+
+
+def test_memory_and_processes_are_reported(pd):
+    for (role, tp), engine in pd.engines.items():
+        pids, rss = ray.get(engine.pids.remote()), ray.get(engine.rss_bytes.remote())
+        print(f"{role} TP {tp}: {len(pids)} processes, RSS {rss / 2**30:.2f} GiB")
+        assert len(pids) >= 2 + tp  # actor, EngineCore, one worker per rank
+        assert 2**30 < rss < 16 * 2**30
+
+
 def test_shutdown_leaves_no_engine_processes_or_ports(pd):
     pids, ports = pd.stop()
     assert len(pids) >= 4 * 3 and len(ports) == 4

@@ -56,27 +56,30 @@ def test_a_reader_past_its_spin_naps():
 
 
 KERNEL_PROBE = """
-import json
+import json, os
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-stock = CPUAttentionBackend.get_supported_kernel_block_sizes()
 from actors.vllm_plugin import register
-try:
-    register()
-    print(json.dumps({"stock": repr(stock), "sizes": repr(CPUAttentionBackend.get_supported_kernel_block_sizes())}))
-except ValueError as e:
-    print(json.dumps({"error": str(e)}))
+stock = CPUAttentionBackend.get_supported_kernel_block_sizes()
+got = {}
+for value in [None, "48", "0", "-32", "x", "64"]:  # unset first, and the one valid value last: it patches vLLM
+    os.environ.pop("PD_CPU_KERNEL_BLOCK", None)
+    if value is not None:
+        os.environ["PD_CPU_KERNEL_BLOCK"] = value
+    try:
+        register()
+        got[str(value)] = {"stock": repr(stock), "sizes": repr(CPUAttentionBackend.get_supported_kernel_block_sizes())}
+    except ValueError as e:
+        got[str(value)] = {"error": str(e)}
+print(json.dumps(got))
 """
-
-
-def kernel_probe(value: str | None) -> dict:
-    return run_probe(KERNEL_PROBE, PD_CPU_KERNEL_BLOCK=value)
 
 
 def test_kernel_block_variable_sets_the_cpu_attention_kernel_block():
     """PD_CPU_KERNEL_BLOCK (tests only): unset, vLLM's CPU attention keeps its own answer; set, it declares that one
-    kernel block size; anything but a positive multiple of 32 is refused naming the variable."""
-    unset = kernel_probe(None)
-    assert unset["sizes"] == unset["stock"]
-    assert kernel_probe("64")["sizes"] == "[64]"
+    kernel block size; anything but a positive multiple of 32 is refused naming the variable (one interpreter for
+    every value: importing vLLM takes ~20 s here)."""
+    got = run_probe(KERNEL_PROBE)
+    assert got["None"]["sizes"] == got["None"]["stock"]
+    assert got["64"]["sizes"] == "[64]"
     for bad in ("48", "0", "-32", "x"):
-        assert "PD_CPU_KERNEL_BLOCK" in kernel_probe(bad)["error"], bad
+        assert "PD_CPU_KERNEL_BLOCK" in got[bad]["error"], bad
