@@ -1,4 +1,4 @@
-"""`python -m cluster bench {e2e,prefix,transfer,scale}` (and load, serve): each measures its candidates side by side in one run and prints
+"""`python -m cluster bench {e2e,prefix,transfer,scale}` (and load, serve, faults): each measures its candidates side by side in one run and prints
 ratios (these machines are shared and noisy). Results go to results/bench_<name>.json and a PNG plot next to it.
 
 - e2e: the tiny hybrid model served colocated (the decode engine alone runs the whole request) and disaggregated
@@ -367,6 +367,18 @@ def _plot(name: str, rows: list[dict], path: Path) -> None:
             ax.set_xticks(list(x), labels)
             ax.set(ylabel=unit, title=f"{key.upper() if key == 'ttft' else key} (median)")
         axes[0].legend()
+    elif name == "faults":
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        x = range(len(rows))
+        labels = [r["scenario"] for r in rows]
+        for ax, key in ((axes[0], "ttft"), (axes[1], "itl")):
+            ax.bar([i - 0.2 for i in x], [r[f"{key}_p99_ms_before"] or 0 for r in rows], 0.4, label="before the kill")
+            ax.bar([i + 0.2 for i in x], [r[f"{key}_p99_ms_fault"] or 0 for r in rows], 0.4, label="fault window")
+            ax.set_xticks(list(x), labels, fontsize=8)
+            ax.set(ylabel="ms", title=f"{key.upper()} p99")
+        axes[0].legend()
+        fig.suptitle("one engine / the coordinator SIGKILLed under load: failed requests "
+                     + ", ".join(f"{r['scenario']} {r['failed']}" for r in rows), fontsize=9)
     elif name == "scale":
         fig, ax = plt.subplots(figsize=(7, 4.5))
         n = [r["prefill_engines"] for r in rows]
@@ -464,15 +476,19 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--api-key-env", help="environment variable holding the API key")
     for p in (e, t, pf, c, lo):
         p.add_argument("--out-dir", default="results")
-    from cluster import bench_serve
+    from cluster import bench_faults, bench_serve
 
     sv = sub.add_parser("serve", help="vLLM's own bench client: this cluster vs vLLM's server vs vLLM's stock P/D")
     bench_serve.add_args(sv)
+    fa = sub.add_parser("faults", help="an engine or the coordinator SIGKILLed under streaming load, per scenario")
+    bench_faults.add_args(fa)
     args = ap.parse_args(argv)
     out_dir = Path(args.out_dir)
 
     if args.which == "serve":
         return bench_serve.main(args)
+    if args.which == "faults":
+        return bench_faults.main(args)
 
     if args.which == "load":
         return _load_main(args, out_dir)

@@ -29,6 +29,11 @@ import httpx
 OUTCOMES = ("complete", "refused_4xx", "refused_503", "failed_midstream", "malformed")
 
 
+def percentile_ms(xs: list[float], q: int) -> float | None:
+    """The q-th percentile of durations in seconds, in ms (None with fewer than two)."""
+    return round(statistics.quantiles(xs, n=100)[q - 1] * 1e3, 1) if len(xs) >= 2 else None
+
+
 @dataclass
 class LoadResult:
     requests: int = 0
@@ -37,6 +42,11 @@ class LoadResult:
     errors: list[str] = field(default_factory=list)  # every outcome but complete and refused_503, with the reason
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
+    # when things happened (time.perf_counter()), for windows around an event (`bench faults`): each request's
+    # (start, end, outcome), each TTFT's request start, each ITL's arrival
+    timeline: list[tuple[float, float, str]] = field(default_factory=list)
+    ttft_at: list[float] = field(default_factory=list)
+    itl_at: list[float] = field(default_factory=list)
     tokens: int = 0
     wall_s: float = 0.0
 
@@ -45,9 +55,7 @@ class LoadResult:
         return self.outcomes["complete"]
 
     def summary(self) -> dict[str, Any]:
-        def pct(xs: list[float], q: float) -> float | None:
-            return round(statistics.quantiles(xs, n=100)[q - 1] * 1e3, 1) if len(xs) >= 2 else None
-
+        pct = percentile_ms
         return {
             "requests": self.requests, **self.outcomes, "lost": self.lost,
             "ttft_p50_ms": pct(self.ttft_s, 50), "ttft_p99_ms": pct(self.ttft_s, 99),
@@ -75,6 +83,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: L
 
     def outcome(kind: str, why: str | None = None) -> None:
         res.outcomes[kind] += 1
+        res.timeline.append((t0, time.perf_counter(), kind))
         if why is not None:
             res.errors.append(f"{kind}: {why}")
         if accepted and kind in ("failed_midstream", "malformed"):
@@ -113,8 +122,10 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: L
                     now = time.perf_counter()
                     if last is None:
                         res.ttft_s.append(now - t0)
+                        res.ttft_at.append(t0)
                     else:
                         res.itl_s.append(now - last)
+                        res.itl_at.append(now)
                     last = now
                     chunks += 1
     except Exception as e:  # noqa: BLE001 - a transport failure of one request

@@ -1,0 +1,232 @@
+"""`python -m cluster bench faults`: one engine (or the coordinator) SIGKILLed under streaming load, per scenario:
+
+  decode-of-two   two decode engines, one killed: its streams continue on the other pair (failover)
+  only-decode     the only decode engine killed: the prefill engine serves requests whole (degraded mode)
+  prefill-of-two  two prefill engines, one killed: requests retry on the other
+  coordinator     the coordinator killed (Ray restarts it): the front end serves on the routes it last gave
+
+Each scenario starts the deployment's cluster (pools as plain actors, so that nothing replaces the dead engine and
+the figures show the failure handling alone), runs `--clients` streaming clients (`cluster.loadgen`: they honour
+Retry-After) for `--warmup` seconds, kills the victim, keeps the load on for `--after` seconds, then reports:
+every outcome class (failed = accepted and not completed + malformed + 4xx; 503s counted apart, and those after the
+death was noticed), how long the coordinator took to notice (or, for the coordinator, its restart to answer), p50/p99
+TTFT and ITL before the kill and in the fault window (first tokens and token gaps arriving from the kill until
+10 s after it was noticed), blocks the survivors still hold once
+the load is over (0 = none leaked), and the dead engine's /dev/shm files and TMPDIR still there after its
+clean-up. Results: results/bench_faults.json and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SCENARIOS = {  # name: (what is killed, prefill engines, decode engines)
+    "decode-of-two": ("decode-0", 1, 2),
+    "only-decode": ("decode-0", 1, 1),
+    "prefill-of-two": ("prefill-0", 2, 1),
+    "coordinator": ("coordinator", 1, 1),
+}
+FAULT_WINDOW_AFTER_NOTICED_S = 10.0
+NOTICE_TIMEOUT_S = 60.0
+
+
+def say(msg: str) -> None:
+    print(f"[bench faults {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--deploy", default="deploy.yaml", help="the deployment whose model, TPs and settings are used")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"from {', '.join(SCENARIOS)}")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the kill")
+    p.add_argument("--after", type=float, default=30.0, help="seconds of load after the kill")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--decode-tp", type=int, help="decode engines' TP size (default: the deployment's)")
+    p.add_argument("--out-dir", default="results")
+
+
+def _kill_engine(handle: Any) -> list[Any]:
+    """SIGKILL the engine actor's process; returns its vLLM processes (they exit by themselves, or are killed)."""
+    import psutil
+    import ray
+
+    pids = ray.get(handle.pids.remote(), timeout=30)
+    children = [psutil.Process(p) for p in pids[1:] if psutil.pid_exists(p)]
+    os.kill(pids[0], signal.SIGKILL)
+    return children
+
+
+def _free_blocks(cluster: Any) -> dict[str, int]:
+    import ray
+
+    out = {}
+    for engine_id, handle in cluster.engines.items():
+        try:
+            out[engine_id] = ray.get(handle.free_blocks.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - the dead one
+            pass
+    return out
+
+
+def _noticed(cluster: Any, victim: str, t_kill: float, old_pid: int | None = None) -> float | None:
+    """Seconds from the kill until the coordinator no longer lists the victim as ready (for the coordinator itself:
+    until its restarted process - another pid than `old_pid` - answers with its registry rebuilt); None if not
+    within NOTICE_TIMEOUT_S."""
+    import ray
+
+    role = victim.split("-")[0]
+    while time.perf_counter() - t_kill < NOTICE_TIMEOUT_S:
+        try:
+            if victim == "coordinator":
+                if ray.get(cluster.coordinator.pid.remote(), timeout=2) != old_pid:
+                    ray.get(cluster.coordinator.rebuilt_engines.remote(), timeout=10)
+                    return time.perf_counter() - t_kill
+            if victim not in ray.get(cluster.coordinator.ready.remote(role), timeout=2):
+                return time.perf_counter() - t_kill
+        except Exception:  # noqa: BLE001 - a restarting coordinator
+            pass
+        time.sleep(0.05)
+    return None
+
+
+def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+    import psutil
+    import ray
+
+    from cluster.launch import start_cluster, start_http, stop_cluster
+    from cluster.loadgen import LoadResult, run_load
+
+    victim, n_prefill, n_decode = SCENARIOS[name]
+    data = base.model_dump()
+    data["prefill"].update(min_replicas=n_prefill, max_replicas=n_prefill)
+    data["decode"].update(min_replicas=n_decode, max_replicas=n_decode, **({"tp": args.decode_tp} if args.decode_tp else {}))
+    # a namespace per scenario: a SIGKILLed engine's actor name may stay taken for a while
+    data["coordinator"].update(name=f"coordinator-faults-{name}", namespace=f"{base.coordinator.namespace}-faults-{name}")
+    cfg = type(base).model_validate(data)
+    say(f"{name}: prefill {n_prefill} x TP {cfg.prefill.tp}, decode {n_decode} x TP {cfg.decode.tp}; "
+        f"{args.clients} clients, {victim} killed after {args.warmup:.0f} s")
+    cluster = start_cluster(cfg, progress=lambda m: say(f"  {m}"), pools="actors")
+    try:
+        url = start_http(cluster, progress=lambda m: say(f"  {m}"))
+        idle = _free_blocks(cluster)
+        holder: dict[str, LoadResult] = {}
+        load = threading.Thread(target=lambda: holder.setdefault("res", asyncio.run(run_load(
+            url, cfg.model.name, args.clients, args.warmup + args.after, args.max_tokens, api_key=cfg.http.resolved_api_key()))))
+        load.start()
+        time.sleep(args.warmup)
+        leftovers: dict[str, Any] = {}
+        children: list[Any] = []
+        old_pid = None
+        if victim == "coordinator":
+            old_pid = ray.get(cluster.coordinator.pid.remote(), timeout=30)
+            t_kill = time.perf_counter()
+            os.kill(old_pid, signal.SIGKILL)  # Ray restarts it (max_restarts=-1)
+        else:
+            handle = cluster.engines[victim]
+            leftovers = ray.get(handle.leftovers.remote(), timeout=30)
+            t_kill = time.perf_counter()
+            children = _kill_engine(handle)
+        say(f"  {victim} killed")
+        noticed = _noticed(cluster, victim, t_kill, old_pid)
+        say(f"  noticed after {noticed:.2f} s" if noticed is not None else f"  not noticed in {NOTICE_TIMEOUT_S:.0f} s")
+        load.join()
+        res = holder["res"]
+        if victim != "coordinator":
+            cluster.engines.pop(victim)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        stragglers = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        for p in stragglers:
+            p.kill()
+        # survivors return to their idle free block count once the load is over (nothing held for dead requests)
+        held, deadline = {}, time.monotonic() + 30
+        while time.monotonic() < deadline:
+            free = _free_blocks(cluster)
+            held = {e: idle[e] - free.get(e, idle[e]) for e in free}
+            if not any(held.values()):
+                break
+            time.sleep(0.5)
+        left: list[str] = []
+        if leftovers:
+            deadline = time.monotonic() + 30
+            while True:
+                left = [f for f in leftovers["shm"] if os.path.exists(f)]
+                left += [leftovers["tmpdir"]] if leftovers.get("tmpdir") and os.path.exists(leftovers["tmpdir"]) else []
+                if not left or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    finally:
+        stop_cluster(cluster, shutdown_serve=True, progress=lambda m: say(f"  {m}"))
+    return summarize(name, victim, res, t_kill, noticed, held, left, len(stragglers), metrics, args)
+
+
+def summarize(name: str, victim: str, res: Any, t_kill: float, noticed: float | None, held: dict[str, int],
+              left: list[str], stragglers: int, metrics: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One scenario's row: outcomes, 503s after the death was noticed, latencies before and in the fault window."""
+    from cluster.loadgen import percentile_ms
+
+    end = t_kill + (noticed if noticed is not None else NOTICE_TIMEOUT_S) + FAULT_WINDOW_AFTER_NOTICED_S
+    t_noticed = t_kill + (noticed if noticed is not None else float("inf"))
+
+    def window(values: list[float], at: list[float], lo: float, hi: float) -> list[float]:
+        return [v for v, t in zip(values, at) if lo <= t < hi]
+
+    first_token_at = [t + ttft for t, ttft in zip(res.ttft_at, res.ttft_s)]  # by when the first token came
+    before_ttft, during_ttft = window(res.ttft_s, first_token_at, 0, t_kill), window(res.ttft_s, first_token_at, t_kill, end)
+    before_itl, during_itl = window(res.itl_s, res.itl_at, 0, t_kill), window(res.itl_s, res.itl_at, t_kill, end)
+    o = res.outcomes
+    row = {
+        "scenario": name, "killed": victim, "clients": args.clients, "requests": res.requests, "complete": o["complete"],
+        # every request that neither completed nor was cleanly refused with a 503 (failed mid-stream, malformed, 4xx)
+        "failed": o["failed_midstream"] + o["malformed"] + o["refused_4xx"],
+        "lost": res.lost, "malformed": o["malformed"], "refused_4xx": o["refused_4xx"], "refused_503": o["refused_503"],
+        "refused_503_after_noticed": sum(1 for s, _, k in res.timeline if k == "refused_503" and s >= t_noticed),
+        "noticed_s": round(noticed, 2) if noticed is not None else None,
+        "ttft_p50_ms_before": percentile_ms(before_ttft, 50), "ttft_p99_ms_before": percentile_ms(before_ttft, 99),
+        "ttft_p50_ms_fault": percentile_ms(during_ttft, 50), "ttft_p99_ms_fault": percentile_ms(during_ttft, 99),
+        "itl_p50_ms_before": percentile_ms(before_itl, 50), "itl_p99_ms_before": percentile_ms(before_itl, 99),
+        "itl_p50_ms_fault": percentile_ms(during_itl, 50), "itl_p99_ms_fault": percentile_ms(during_itl, 99),
+        "blocks_held_after": sum(held.values()), "shm_left": len(left), "stragglers_killed": stragglers,
+        "first_errors": res.errors[:3],
+    }
+    for metric, key in (("pd_requests_failed_over_total", "failed_over"), ("pd_requests_retried_total", "retried"),
+                        ('pd_requests_colocated_total{role="prefill"}', "colocated_on_prefill"),
+                        ("pd_requests_on_last_routes_total", "on_last_routes")):
+        row[key] = next((float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                         if line.startswith(metric + " ")), None)
+    return row
+
+
+def main(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.bench import _table, write_results
+    from cluster.config import load_deploy
+
+    base = load_deploy(args.deploy)
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        print(f"error: unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
+        return 2
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=base.coordinator.namespace)
+    rows = []
+    try:
+        for name in names:
+            rows.append(run_scenario(name, base, args))
+            say(f"{name}: {rows[-1]}")
+    finally:
+        ray.shutdown()
+    _table(rows, ["scenario", "requests", "complete", "failed", "refused_503", "refused_503_after_noticed", "noticed_s",
+                  "ttft_p99_ms_before", "ttft_p99_ms_fault", "itl_p99_ms_before", "itl_p99_ms_fault",
+                  "blocks_held_after", "shm_left", "failed_over", "retried", "colocated_on_prefill", "on_last_routes"])
+    write_results("faults", rows, Path(args.out_dir))
+    return 0 if all(r["failed"] == 0 and r["blocks_held_after"] == 0 and r["shm_left"] == 0 for r in rows) else 1
