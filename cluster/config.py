@@ -57,6 +57,7 @@ class ScalingConfig(_Strict):
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RESOURCE_NAME = re.compile(r"[A-Za-z0-9_.:/-]+")
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+PER_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)  # each engine gets its own (actors.engine.engine_env)
 
 
 class PlacementConfig(_Strict):
@@ -115,6 +116,9 @@ class PoolConfig(_Strict):
         for name in v:
             if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"env: {name!r} is not an environment variable name")
+            if name in PER_ENGINE_ENV:
+                raise ValueError(f"env: {name} is set per engine by the launcher (two engines on one host with one "
+                                 "side-channel port hang at start)")
         return v
 
     @field_validator("tp")

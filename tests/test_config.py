@@ -72,6 +72,7 @@ def test_gpu_example_is_4p2d(tmp_path, monkeypatch):
         ({"prefill": {"placement": {"labels": {"pd-node": ""}}}}, "prefill.placement.labels", "non-empty"),
         ({"prefill": {"placement": {"nodes": ["a"]}}}, "prefill.placement.nodes", "Extra inputs are not permitted"),
         ({"prefill": {"env": {"UCX TLS": "tcp"}}}, "prefill.env", "not an environment variable name"),
+        ({"decode": {"env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}}}, "decode.env", "set per engine"),
     ],
 )
 def test_bad_fields_are_named(tmp_path, data, field, reason):
