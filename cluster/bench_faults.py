@@ -52,8 +52,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default="results")
 
 
-def _kill_engine(handle: Any) -> list[Any]:
-    """SIGKILL the engine actor's process; returns its vLLM processes (they exit by themselves, or are killed)."""
+def kill_engine(handle: Any) -> list[Any]:
+    """SIGKILL the engine actor's process (on this node); returns its vLLM processes, which exit by themselves (the
+    caller waits for them, or kills stragglers). Also what tests/test_faults.py kills engines with."""
     import psutil
     import ray
 
@@ -133,7 +134,7 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
             handle = cluster.engines[victim]
             leftovers = ray.get(handle.leftovers.remote(), timeout=30)
             t_kill = time.perf_counter()
-            children = _kill_engine(handle)
+            children = kill_engine(handle)
         say(f"  {victim} killed")
         noticed = _noticed(cluster, victim, t_kill, old_pid)
         say(f"  noticed after {noticed:.2f} s" if noticed is not None else f"  not noticed in {NOTICE_TIMEOUT_S:.0f} s")
@@ -172,6 +173,7 @@ def summarize(name: str, victim: str, res: Any, t_kill: float, noticed: float | 
               left: list[str], stragglers: int, metrics: str, args: argparse.Namespace) -> dict[str, Any]:
     """One scenario's row: outcomes, 503s after the death was noticed, latencies before and in the fault window."""
     from cluster.loadgen import percentile_ms
+    from cluster.metrics import sample_value
 
     end = t_kill + (noticed if noticed is not None else NOTICE_TIMEOUT_S) + FAULT_WINDOW_AFTER_NOTICED_S
     t_noticed = t_kill + (noticed if noticed is not None else float("inf"))
@@ -200,8 +202,8 @@ def summarize(name: str, victim: str, res: Any, t_kill: float, noticed: float | 
     for metric, key in (("pd_requests_failed_over_total", "failed_over"), ("pd_requests_retried_total", "retried"),
                         ('pd_requests_colocated_total{role="prefill"}', "colocated_on_prefill"),
                         ("pd_requests_on_last_routes_total", "on_last_routes")):
-        row[key] = next((float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                         if line.startswith(metric + " ")), None)
+        value = sample_value(metrics, metric)
+        row[key] = float(value) if value is not None else None
     return row
 
 

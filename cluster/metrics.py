@@ -10,6 +10,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series: they double the output and nobody graphs them
 
+
+def sample_value(text: str, name: str) -> str | None:
+    """The value of the series `name` (with its labels, when it has any: 'pd_degraded{role="prefill"}') in a scraped
+    /metrics page; None when the page has none."""
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return line.rsplit(" ", 1)[1]
+    return None
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

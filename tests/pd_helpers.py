@@ -156,10 +156,11 @@ def end_processes_under(marker: str) -> None:
 
 def metric(text: str, name: str) -> str:
     """The value of `name` (with its labels, when it has any: 'pd_degraded{role="prefill"}') in a /metrics page."""
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return line.rsplit(" ", 1)[1]
-    raise AssertionError(f"{name} not in /metrics")
+    from cluster.metrics import sample_value
+
+    value = sample_value(text, name)
+    assert value is not None, f"{name} not in /metrics"
+    return value
 
 
 def gather(coros) -> list:

@@ -19,6 +19,7 @@ import ray
 
 from actors.coordinator import ENGINE_PREFIX
 from actors.engine import free_port, launch_engine_actor, stop_engine_actor
+from cluster.bench_faults import kill_engine as bench_kill_engine
 from cluster.config import DeployConfig
 from cluster.launch import start_cluster, start_http, stop_cluster
 from tests.pd_helpers import metric, wait_for
@@ -49,11 +50,7 @@ def served(ray_local, gdn_model):
 
 def kill_engine(cluster, engine_id: str) -> list[psutil.Process]:
     """SIGKILL the engine actor's process; returns its vLLM child processes (they must go too)."""
-    handle = cluster.engines[engine_id]
-    pids = ray.get(handle.pids.remote())
-    children = [psutil.Process(p) for p in pids[1:] if psutil.pid_exists(p)]
-    os.kill(pids[0], signal.SIGKILL)
-    return children
+    return bench_kill_engine(cluster.engines[engine_id])
 
 
 def reap(children: list[psutil.Process], timeout_s: float = 60) -> list[int]:
