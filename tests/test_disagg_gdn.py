@@ -57,7 +57,8 @@ def test_compute_threads_keep_their_cores(pd):
         for pid in ray.get(engine.pids.remote()):
             try:
                 title = " ".join(psutil.Process(pid).cmdline())
-                m = re.match(r"VLLM::Worker(?:_TP(\d+))?", title)
+                # TP 1 runs its one rank inside the EngineCore process (actors.engine.vllm_engine_args)
+                m = re.match(r"VLLM::Worker(?:_TP(\d+))?" if tp > 1 else r"VLLM::EngineCore()", title)
                 if m:
                     cores[int(m.group(1) or 0)] = set(psutil.Process(pid).cpu_affinity())
             except psutil.NoSuchProcess:
