@@ -8,14 +8,14 @@ What changes against the stock connector, on the decode side only:
   * handshake: no zmq side channel. The remote ranks' NIXL agent metadata and region base addresses, the remote
     engine's layout (with its own physical_blocks_per_logical) and the TP mapping arrive as one negotiated pair plan
     from the coordinator (`pd_install_pair`, pushed by the engine actor through `collective_rpc`);
-  * block mapping and descriptors: `cluster.planner.plan_request` turns the request's block ids into coalesced byte
+  * block mapping and descriptors: `cluster.core.planner.plan_request` turns the request's block ids into coalesced byte
     ranges; they are posted as NIXL READs built from exactly those ranges, one transfer per prefill rank.
 Completion, notifications to the prefill side (which then frees its blocks), expiry and failure handling are the
 stock connector's. The prefill side is the stock worker; its registration is read out with `pd_registration`.
 Its scheduler (`FirstTokenScheduler`) lets a request flagged `FIRST_TOKEN` in its transfer parameters run its whole
 prompt and sample the first output token (vLLM's hybrid prefill side otherwise stops one token short and samples
 nothing anyone uses): the router streams that token at once and the decode engine continues from the prompt plus it
-(see cluster.router).
+(see actors.router).
 On both sides the worker's main thread keeps its cores (the stock worker pins it to the last core on CPU hosts).
 """
 
@@ -40,9 +40,9 @@ from vllm.logger import init_logger
 
 from actors.engine_report import report_from_vllm
 from actors.nixl_setup import install_progress_delay
-from cluster.planner import PairPlan, RequestPlan, plan_request
-from cluster.verify import VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
-from cluster.wire import FIRST_TOKEN, pair_from_dict
+from cluster.core.planner import PairPlan, RequestPlan, plan_request
+from cluster.core.verify import VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
+from cluster.core.wire import FIRST_TOKEN, pair_from_dict
 
 logger = init_logger(__name__)
 
@@ -170,7 +170,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         self._pd_remote: dict[str, list[dict[str, Any]]] = {}  # engine id -> per remote rank registration
         self._pd_inflight: dict[str, dict[str, Any]] = {}
         self._pd_done: list[dict[str, Any]] = []
-        # transfer.verify (cluster/verify.py): reads in flight whose request is verified, then read and waiting for
+        # transfer.verify (cluster/core/verify.py): reads in flight whose request is verified, then read and waiting for
         # the actor to collect them, then collected and waiting for its verdict; verdicts not yet reported to vLLM
         self._pd_verify = 0.0
         self.pd_set_verify(verify_fraction(os.environ.get(VERIFY_ENV)))

@@ -10,15 +10,14 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from cluster.coordinator import Coordinator, EngineRecord, RegistrationError
-from cluster.hf_config import model_shape
-from cluster.layout import LayoutError, layout_from_report
-from cluster.planner import IncompatiblePair
+from actors.engine_health import HEALTH_TIMEOUT_S, engine_health
+from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
+from cluster.core.hf_config import model_shape
+from cluster.core.layout import LayoutError, layout_from_report
+from cluster.core.planner import IncompatiblePair
 
 HEALTH_INTERVAL_S = float(os.environ.get("PD_HEALTH_INTERVAL_S", "2"))  # how often the coordinator checks engines
-HEALTH_TIMEOUT_S = 10.0  # an engine slower than this to answer is busy, not dead
 UNAVAILABLE_RECHECKS, UNAVAILABLE_RECHECK_S = 10, 0.25  # an unreachable engine is asked again for up to 2.5 s
 ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace
 log = logging.getLogger("pd.coordinator")
@@ -201,24 +200,19 @@ class CoordinatorActor:
         if handle is None:
             return False
         for attempt in range(UNAVAILABLE_RECHECKS + 1):
-            try:
-                health = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
-                if health.get("healthy") or not health.get("started"):
-                    return False
-                why = "unhealthy (its vLLM engine failed)"
+            verdict = await engine_health(handle)
+            if verdict.state != "unreachable":
                 break
-            except ActorDiedError as e:
-                why = f"dead ({type(e).__name__})"
-                self._clean_after(engine_id)
-                break
-            except ActorUnavailableError:
-                # unreachable: right after a SIGKILL Ray says so until it has confirmed the death - ask again
-                # shortly rather than drop a router's report (the periodic check may be seconds away)
-                if attempt == UNAVAILABLE_RECHECKS or self.handles.get(engine_id) is not handle:
-                    return False
-                await asyncio.sleep(UNAVAILABLE_RECHECK_S)
-            except Exception:  # noqa: BLE001 - slow (a busy engine): not a death
+            # right after a SIGKILL Ray says so until it has confirmed the death - ask again shortly rather than drop
+            # a router's report (the periodic check may be seconds away)
+            if attempt == UNAVAILABLE_RECHECKS or self.handles.get(engine_id) is not handle:
                 return False
+            await asyncio.sleep(UNAVAILABLE_RECHECK_S)
+        if not verdict.gone:  # healthy, starting, or slow (a busy engine): not a death
+            return False
+        why = verdict.why
+        if verdict.state == "dead":
+            self._clean_after(engine_id)
         if self.handles.get(engine_id) is not handle:  # it left, or re-registered, while we asked
             return False
         log.warning("engine %s is %s: removing it from every pair", engine_id, why)
@@ -287,14 +281,9 @@ class CoordinatorActor:
         await self._ready()
         return self.handles.get(engine_id)
 
-    def pair_plan(self, prefill_id: str, decode_id: str) -> str:
+    def pair_payload(self, prefill_id: str, decode_id: str) -> str:
+        """The pair's negotiated plan as the JSON payload the decode engine installs (`install_pair`)."""
         return self.core.payload(prefill_id, decode_id)
-
-    def record_transfers(self, stats: list[dict[str, Any]]) -> None:
-        self.core.record_transfers(stats)
-
-    def transfer_stats(self, request_id: str | None = None) -> list[dict[str, Any]]:
-        return self.core.transfer_stats(request_id)
 
     async def describe(self) -> dict[str, Any]:
         await self._ready()

@@ -1,7 +1,7 @@
 """A vLLM engine (CPU build) inside a Ray actor.
 
 `EngineActor` hosts one `AsyncLLM` for a model directory at a tensor-parallel size. vLLM starts its own processes
-(EngineCore, which runs the model itself at TP 1, or one worker per TP rank) as plain subprocesses of the actor, so the actor itself takes `num_cpus=0`.
+(EngineCore, one worker per TP rank) as plain subprocesses of the actor, so the actor itself takes `num_cpus=0`.
 The per-engine environment (`engine_env`) travels in the actor's `runtime_env`; vLLM's processes inherit it, and a
 private TMPDIR that the actor creates. Engines run eagerly by default (no torch.compile): startup ~15-30 s on
 2 cores instead of ~45-90 s. `kv_transfer_config` and `engine_kwargs` pass straight to vLLM's engine arguments.
@@ -36,8 +36,9 @@ import psutil
 import ray
 import zmq
 
-from cluster.verify import TRANSFER_VERIFY_FAILED, VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
-from cluster.wire import FIRST_TOKEN
+from actors.engine_health import Health
+from cluster.core.verify import TRANSFER_VERIFY_FAILED, VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
+from cluster.core.wire import FIRST_TOKEN
 
 CPU_BIND = {1: "0-1", 2: "0|1", 4: "0|1|0|1"}  # VLLM_CPU_OMP_THREADS_BIND per TP size on the 2-core machines
 # /dev/shm files an engine's processes create and leak when a worker is killed (SIGTERMed NIXL workers):
@@ -79,9 +80,10 @@ def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = 2048, dtyp
                      kv_transfer_config: dict[str, Any] | None = None, engine_kwargs: dict[str, Any] | None = None,
                      role: str | None = None, engine_id: str = "engine", device: str = "cpu") -> dict[str, Any]:
     """vLLM's engine arguments for one engine: with a role, the project's connector (`pd_kv_transfer_config`) and
-    worker extension. vLLM's async scheduling is left at its default (on): vLLM 0.32 carries both upstream fixes
-    for hybrid models in P/D under it (connector-loaded attention blocks are not zeroed, #48481; freed blocks wait
-    for the in-flight step, #45357). `engine_kwargs` override anything here."""
+    worker extension. vLLM's async scheduling is left at its platform's default: vLLM-CPU turns it off; on GPUs it
+    is on, and vLLM 0.32 carries both upstream fixes for hybrid models in P/D under it (connector-loaded attention
+    blocks are not zeroed, #48481; freed blocks wait for the in-flight step, #45357). `engine_kwargs` override
+    anything here."""
     if role is not None and kv_transfer_config is None:
         kv_transfer_config = pd_kv_transfer_config(role, engine_id, device)
     kwargs: dict[str, Any] = dict(
@@ -90,11 +92,9 @@ def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = 2048, dtyp
         dtype=dtype,  # Qwen3-Next on CPU: the GDN kernel asserts "CPU GDN attention requires BF16."
         max_model_len=max_model_len,
         enable_prefix_caching=False,  # off unless asked: the deploy config turns it on (`cluster.launch.prefix_caching`)
-        # TP 1: the worker runs inside the EngineCore process ("uni", vLLM's own default) - one Python process fewer
-        # to spawn and import vLLM into (an engine starts in ~34 s instead of ~44 s on 2 cores) and no shared-memory
-        # queue between them. TP > 1: a process per rank ("mp"); "ray" fails on CPU and would be auto-picked inside
-        # placement groups
-        distributed_executor_backend="mp" if tp > 1 else "uni",
+        # a process per rank; vLLM-CPU would turn "uni" into "mp" anyway (its OpenMP set-up needs a fresh process),
+        # and "ray" fails on CPU and would be auto-picked inside placement groups
+        distributed_executor_backend="mp",
         disable_log_stats=True,
         # no torch.compile: on 2 cores a tiny model starts in ~15 s instead of ~45-90 s, and generates
         # fast enough; pass engine_kwargs={"enforce_eager": False} for the compiled path
@@ -263,7 +263,7 @@ class EngineActor:
         # in its own prefix cache (a prefill engine's prefills, a decode engine's reads and colocated requests)
         self._totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0,
                         "verified": 0, "verify_failures": 0, "verify_seconds": 0.0, "cached_prompt_tokens": 0}
-        # transfer.verify (cluster/verify.py): the fraction of requests verified; requests submitted for
+        # transfer.verify (cluster/core/verify.py): the fraction of requests verified; requests submitted for
         # verification and not finished (by prefill-side request id); landed reads by request and decode rank until
         # every rank's are in; verify failures by prefill-side request id (what ended them)
         self.verify = verify_fraction(os.environ.get(VERIFY_ENV))
@@ -918,16 +918,17 @@ class EngineActor:
     def _self_handle(self) -> Any:
         return ray.get_runtime_context().current_actor
 
-    async def health(self) -> dict[str, Any]:
-        """Whether the engine is started and its EngineCore answers."""
+    async def health(self) -> Health:
+        """Whether the engine is started and its EngineCore answers (`actors.engine_health.engine_health` turns this
+        into the verdict everyone acts on)."""
         if self.engine is None:
-            return {"started": False, "healthy": False}
+            return Health(started=False, healthy=False)
         try:
             await self.engine.check_health()
             healthy = not self.engine.errored
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             healthy = False
-        return {"started": True, "healthy": healthy, "tp": self.tp, "model": self.model_dir}
+        return Health(started=True, healthy=healthy)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -1,5 +1,5 @@
 """Read an engine's run-time cache layout out of vLLM 0.32 objects into the plain dict that
-`cluster.layout.layout_from_report` takes. The only place that knows vLLM's KV cache classes."""
+`cluster.core.layout.layout_from_report` takes. The only place that knows vLLM's KV cache classes."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 vLLM's frontend does everything a client sees - its FastAPI app, protocol models, chat templates, sampling-parameter
 conversion, logprob and SSE formatting, /tokenize and /detokenize - and calls an `EngineClient` for generation.
 `ClusterEngineClient` is that engine client: each request goes through the router to a prefill engine and a decode
-engine (`cluster.router`), and the decode engine's own vLLM `RequestOutput`s come back (batched per engine step over
+engine (`actors.router`), and the decode engine's own vLLM `RequestOutput`s come back (batched per engine step over
 one channel per decode engine: a local socket on this node, a Ray stream across nodes) to vLLM's formatting. The project's own code here is only what P/D serving adds:
 `n > 1` fanned out over pairs, prompt logprobs from the prefill engine, router failures as 503s (with Retry-After,
 and before the first byte of a stream), the body limit, `/health` and `/metrics` for the cluster.
@@ -30,8 +30,8 @@ import ray
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from cluster.metrics import ServiceMetrics
-from cluster.router import EngineFailure, NoCapacity, Router
+from cluster.core.metrics import ServiceMetrics
+from actors.router import EngineFailure, NoCapacity, Router
 
 log = logging.getLogger("pd.frontend")
 FRONTEND_ACTOR = "pd-http-frontend"

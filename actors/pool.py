@@ -1,5 +1,5 @@
 """Prefill and decode pools as Ray Serve deployments: one replica = one engine, and Serve's autoscaler sizes each pool
-on its own signal (`cluster/autoscale.py`).
+on its own signal (`actors/autoscale.py`).
 
 A replica's life:
   join   - claim an engine id from the coordinator, start the engine actor (named `pd-engine-<id>`, owned by the
@@ -28,6 +28,7 @@ from ray import serve
 
 from actors.coordinator import ENGINE_PREFIX
 from actors.engine import launch_engine_actor, stop_engine_actors
+from actors.engine_health import engine_health
 
 log = logging.getLogger("ray.serve")
 METRIC_PUSH_INTERVAL_S = 1.0  # replicas push their engine's load to Serve's controller this often (Ray's default 10)
@@ -90,14 +91,9 @@ class PoolReplica:
         engine that answers slowly is not dead."""
         if self.engine is None:  # leaving
             return
-        try:
-            health = await asyncio.wait_for(self.engine.health.remote(), 20)
-        except ray.exceptions.ActorDiedError as e:
-            raise RuntimeError(f"engine {self.engine_id} died: {e}") from None
-        except Exception:  # noqa: BLE001 - slow or transiently unreachable
-            return
-        if health.get("started") and not health.get("healthy"):
-            raise RuntimeError(f"engine {self.engine_id}'s vLLM engine failed")
+        verdict = await engine_health(self.engine)
+        if verdict.gone:
+            raise RuntimeError(f"engine {self.engine_id} is {verdict.why}")
 
     async def __del__(self) -> None:
         self.leaving = True
@@ -169,7 +165,7 @@ def _summary(busy: dict[str, Any]) -> dict[str, int]:
 def pool_deployment(role: str, spec: dict[str, Any], min_replicas: int, max_replicas: int, scaling: dict[str, Any]):
     """The Serve deployment of one pool, bound to `spec` (what every replica needs to start its engine).
     min == max: a fixed pool of that size; otherwise Serve autoscaling with the pool's policy."""
-    from cluster.autoscale import PoolPolicy
+    from actors.autoscale import PoolPolicy
 
     options: dict[str, Any] = {
         "name": f"{role}-pool",

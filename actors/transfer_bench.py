@@ -1,5 +1,5 @@
 """The two sides of the transfer benchmark (`python -m cluster bench transfer`): Ray actors that hold one engine's cache
-memory per TP rank, laid out as `cluster.layout` lays out a real model, each rank with its own NIXL agent.
+memory per TP rank, laid out as `cluster.core.layout` lays out a real model, each rank with its own NIXL agent.
 
 The prefill side fills its regions with noise; the decode side reads a request's full hybrid state (conv + recurrent
 state of every GDN layer, KV of every attention layer) with NIXL READs built from the planner's byte ranges, one
@@ -17,7 +17,7 @@ import numpy as np
 import ray
 
 from actors.nixl_setup import install_progress_delay
-from cluster.layout import EngineLayout
+from cluster.core.layout import EngineLayout
 
 
 @ray.remote(num_cpus=0)

@@ -7,9 +7,9 @@ import json
 import sys
 import time
 
-from cluster.hf_config import ConfigError, load_config, model_shape, ssm_dtype, torch_dtype
-from cluster.layout import LayoutError, offline_layout
-from cluster.planner import IncompatiblePair, PairPlan, plan_pair, plan_request
+from cluster.core.hf_config import ConfigError, load_config, model_shape, ssm_dtype, torch_dtype
+from cluster.core.layout import LayoutError, offline_layout
+from cluster.core.planner import IncompatiblePair, PairPlan, plan_pair, plan_request
 
 
 def _positive(text: str) -> int:
@@ -52,7 +52,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out["request"] = {
         "prompt_tokens": args.tokens,
         "transferred_tokens": [req.first_token, req.num_tokens],
-        "recompute_from": req.recompute_from,
+        "decode_runs_from": req.num_tokens,
         "descriptors": [req.descriptors(r) for r in range(pair.decode.tp)],
         "descriptors_uncoalesced": list(req.uncoalesced),
         "bytes": [req.bytes(r) for r in range(pair.decode.tp)],
@@ -75,7 +75,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for rank, reads in enumerate(pair.state_reads):
         print(f"decode rank {rank} reads from prefill ranks {list(pair.remote_ranks(rank))}:")
         for r in reads:
-            print(f"    {r.region:5} rank {r.remote_rank}  offset {r.remote_offset:>9}  size {r.size:>9}  -> local {r.local_offset:>9}")
+            print(f"    {r.piece:5} rank {r.remote_rank}  offset {r.remote_offset:>9}  size {r.size:>9}  -> local {r.local_offset:>9}")
         for h in pair.kv_head_runs[rank]:
             print(f"    kv    rank {h.remote_rank}  heads [{h.remote_slot}, {h.remote_slot + h.count}) -> local heads [{h.local_slot}, {h.local_slot + h.count})")
     r = out["request"]
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("build-model", help="build a tiny random-weight hybrid model with a locally trained tokenizer")
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=lambda a: __import__("cluster.models", fromlist=["main"]).main(a.rest))
+    b.set_defaults(func=lambda a: __import__("cluster.core.models", fromlist=["main"]).main(a.rest))
 
     bench = sub.add_parser("bench", help="benchmarks (e2e: colocated vs disaggregated serving)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -40,7 +40,7 @@ async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: in
 
     from actors.coordinator import CoordinatorActor
     from actors.engine import launch_engine_actor, stop_engine_actors
-    from cluster.router import Router
+    from actors.router import Router
 
     coord = CoordinatorActor.remote()
     (P, ps), (D, ds) = (
@@ -116,7 +116,7 @@ async def _bench_prefix(model_dir, p_tp: int, d_tp: int, prefix_len: int, suffix
 
     from actors.coordinator import CoordinatorActor
     from actors.engine import launch_engine_actor, stop_engine_actors
-    from cluster.router import Router
+    from actors.router import Router
 
     coord = CoordinatorActor.remote()
     caching = {"enable_prefix_caching": True}
@@ -202,9 +202,9 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
     import ray
 
     from actors.transfer_bench import TransferSide
-    from cluster.hf_config import load_config, model_shape, ssm_dtype
-    from cluster.layout import offline_layout
-    from cluster.planner import plan_pair, plan_request
+    from cluster.core.hf_config import load_config, model_shape, ssm_dtype
+    from cluster.core.layout import offline_layout
+    from cluster.core.planner import plan_pair, plan_request
 
     rows = []
     for name in models:
@@ -267,10 +267,10 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
 def bench_scale(sizes: list[int], model_name: str = "qwen3.5-0.8b", p_tp: int = 1, d_tp: int = 2) -> list[dict]:
     import os as _os
 
-    from cluster.coordinator import Coordinator, EngineRecord
-    from cluster.hf_config import load_config, model_shape, ssm_dtype
-    from cluster.layout import offline_layout
-    from cluster.planner import plan_pair
+    from cluster.core.coordinator import Coordinator, EngineRecord
+    from cluster.core.hf_config import load_config, model_shape, ssm_dtype
+    from cluster.core.layout import offline_layout
+    from cluster.core.planner import plan_pair
 
     cfg = load_config(MODELS[model_name])
     model = model_shape(cfg)
@@ -413,7 +413,7 @@ def _load_main(args: argparse.Namespace, out_dir: Path) -> int:
     else:
         import ray
 
-        from cluster.config import load_deploy
+        from cluster.core.config import load_deploy
         from cluster.launch import start_cluster, start_http
 
         cfg = load_deploy(args.deploy)
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = bench_transfer(args.models.split(","), _pairs(args.pairs), [int(x) for x in args.tokens.split(",")], args.reps)
             write_results("transfer", rows, out_dir)
             return 0
-        from cluster.models import ensure_model
+        from cluster.core.models import ensure_model
 
         model_dir = ensure_model(args.model)
         rows = []

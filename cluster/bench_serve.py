@@ -133,7 +133,7 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
     import ray
 
     from actors.engine import free_port
-    from cluster.config import DeployConfig
+    from cluster.core.config import DeployConfig
     from cluster.launch import start_cluster, start_http, stop_cluster
 
     cfg = DeployConfig.model_validate({
@@ -232,7 +232,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(args: Any) -> int:
-    from cluster.models import ensure_model
+    from cluster.core.models import ensure_model
 
     model_dir = str(ensure_model(args.model))
     out_dir = Path(args.out_dir)

@@ -4,7 +4,7 @@
 
 Builds the tiny model if the file names a builtin one, joins the Ray cluster (RAY_ADDRESS, as `ray job submit` sets
 it) or starts a local one, starts the coordinator and the prefill and decode pools as Ray Serve deployments (one
-replica = one engine; a pool with min_replicas < max_replicas autoscales on its own signal, see cluster/autoscale.py),
+replica = one engine; a pool with min_replicas < max_replicas autoscales on its own signal, see actors/autoscale.py),
 waits for their engines to load and register (progress every 10 s; the coordinator negotiates every pair), starts the
 HTTP front end (vLLM's OpenAI server over the cluster), checks it with one completion, prints the URL and a curl line, and serves until Ctrl-C / SIGTERM
 (`ray job stop`), printing scaling decisions and engines joining or leaving; then shuts down the front end, the pools
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.config import DeployConfig, DeployError, PoolConfig, load_deploy
+from cluster.core.config import DeployConfig, DeployError, PoolConfig, load_deploy
 
 
 def say(msg: str) -> None:
@@ -74,7 +74,7 @@ def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say, *, p
 
 def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     from actors.coordinator import CoordinatorActor
-    from cluster.models import ensure_model
+    from cluster.core.models import ensure_model
 
     model_dir = Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin)
     progress(f"model {cfg.model.name}: {model_dir}")
@@ -149,18 +149,18 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
                 fut.result()  # a pool that failed to deploy raises here
                 progress(f"{running[fut]} pool up")
             if pending:
-                engines = ray.get(cluster.coordinator.describe.remote())["engines"]
+                engines = ray.get(cluster.core.coordinator.describe.remote())["engines"]
                 ready = ", ".join(sorted(engines)) or "none"
                 progress(f"  loading engines ({time.monotonic() - t0:.0f} s); registered so far: {ready}")
         cluster.refresh_engines()
-        for info in ray.get(cluster.coordinator.pool_events.remote())["joins"]:
+        for info in ray.get(cluster.core.coordinator.pool_events.remote())["joins"]:
             progress(f"{info['engine_id']} (TP {info['tp']}) joined in {info['total_s']:.0f} s ({_phases(info, 0)})")
-        pairs = ray.get(cluster.coordinator.describe.remote())["pairs"]
+        pairs = ray.get(cluster.core.coordinator.describe.remote())["pairs"]
         progress("negotiated pairs: " + ", ".join(f"{p['prefill']}->{p['decode']}" for p in pairs))
         cluster.timings["engines_s"] = cluster.timings["registered_s"] = time.monotonic() - t0
     except BaseException:
         _stop_pools(cluster, progress)
-        ray.kill(cluster.coordinator, no_restart=True)
+        ray.kill(cluster.core.coordinator, no_restart=True)
         raise
     finally:
         pool_exec.shutdown(wait=False, cancel_futures=True)
@@ -181,7 +181,7 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
     t0 = time.monotonic()
     check_placement(cfg, ray.nodes())
     cluster = _start_coordinator(cfg, progress)
-    coordinator = cluster.coordinator
+    coordinator = cluster.core.coordinator
 
 
     launched = []
@@ -229,8 +229,8 @@ def cpu_block_size(cfg: DeployConfig, model_dir: str | Path) -> int | None:
     and for models without both attention and state."""
     if cfg.device != "cpu":
         return None
-    from cluster.hf_config import load_config, model_shape
-    from cluster.layout import offline_layout
+    from cluster.core.hf_config import load_config, model_shape
+    from cluster.core.layout import offline_layout
 
     shape = model_shape(load_config(model_dir))
     if shape.attention is None or shape.state is None:
@@ -245,7 +245,7 @@ def prefix_caching(cfg: DeployConfig, role: str, model_dir: str | Path) -> bool:
     caching on a GDN/Mamba model keeps the state at block boundaries (vLLM's mamba_cache_mode "align", its default
     with prefix caching); P and D need not agree (the planner reads the state from the prefill side's last block and
     only the attention blocks the decode side lacks)."""
-    from cluster.hf_config import load_config, model_shape
+    from cluster.core.hf_config import load_config, model_shape
 
     asked = getattr(cfg, role).enable_prefix_caching
     state = model_shape(load_config(model_dir)).state
@@ -262,7 +262,7 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
     per TP rank, vLLM's share of its memory, and the conv-state layout NIXL's hybrid transfers need: vLLM 0.32 keeps
     conv state (state_len, dim) on CUDA unless VLLM_SSM_CONV_STATE_LAYOUT=DS (its NIXL worker then asserts at start;
     the CPU platform picks DS by itself)."""
-    from cluster.verify import VERIFY_ENV
+    from cluster.core.verify import VERIFY_ENV
 
     pool = getattr(cfg, role)
     engine_kwargs: dict[str, Any] = {"enable_prefix_caching": prefix_caching(cfg, role, model_dir)}
@@ -414,7 +414,7 @@ def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Ca
             serve.shutdown()
         except Exception as e:  # noqa: BLE001
             progress(f"could not shut Serve down: {e}")
-    ray.kill(cluster.coordinator, no_restart=True)
+    ray.kill(cluster.core.coordinator, no_restart=True)
 
 
 def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = say, interval_s: float = 2.0) -> None:
@@ -425,7 +425,7 @@ def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = s
     seen = {kind: time.time() for kind in stamp}  # print what happens from now on (by time: the lists are bounded)
     while not stop.wait(interval_s):
         try:
-            events = ray.get(cluster.coordinator.pool_events.remote(), timeout=10)
+            events = ray.get(cluster.core.coordinator.pool_events.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - a restarting coordinator: try again next time
             continue
         for kind, items in events.items():

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.layout import EngineLayout, Proj
-from cluster.planner import RequestPlan
+from cluster.core.layout import EngineLayout, Proj
+from cluster.core.planner import RequestPlan
 
 
 @dataclass
@@ -26,11 +26,11 @@ def make_full_state(layout: EngineLayout, num_tokens: int, rng: np.random.Genera
     model, st = layout.model, layout.model.state
     conv, ssm, kv = {}, {}, {}
     for layer in model.state_layers:
-        conv[layer] = [rng.integers(0, 256, (p.units, p.unit_elems * st.conv_rows * layout.elem), dtype=np.uint8) for p in st.conv_projs]
-        ssm[layer] = rng.integers(0, 256, (st.ssm.units, st.ssm.unit_elems * layout.ssm_elem), dtype=np.uint8)
+        conv[layer] = [rng.integers(0, 256, (p.units, p.unit_elems * st.conv_rows * layout.elem_bytes), dtype=np.uint8) for p in st.conv_projs]
+        ssm[layer] = rng.integers(0, 256, (st.ssm.units, st.ssm.unit_elems * layout.ssm_elem_bytes), dtype=np.uint8)
     for layer in model.attention_layers:
         a = model.attention
-        kv[layer] = rng.integers(0, 256, (a.num_kv_heads, 2, num_tokens, a.head_dim * layout.elem), dtype=np.uint8)
+        kv[layer] = rng.integers(0, 256, (a.num_kv_heads, 2, num_tokens, a.head_dim * layout.elem_bytes), dtype=np.uint8)
     return FullState(conv, ssm, kv)
 
 
@@ -48,7 +48,7 @@ class RankMemory:
     def kv_token_range(self, block_ids, tokens: range):
         """(region-relative byte offset, size) of every (local head, K|V, token) row for tokens in `tokens`."""
         L = self.layout
-        tok = L.model.attention.head_dim * L.elem
+        tok = L.model.attention.head_dim * L.elem_bytes
         for t in tokens:
             logical = block_ids[t // L.block_size]
             kernel = logical * L.physical_blocks_per_logical + (t % L.block_size) // L.kernel_block_size

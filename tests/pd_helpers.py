@@ -12,14 +12,14 @@ import ray
 
 from actors.coordinator import CoordinatorActor
 from actors.engine import launch_engine_actor, stop_engine_actors
-from cluster.router import Router
+from actors.router import Router
 
 MAX_TOKENS = 12
 
 
 def oracle(prompt: list[int], n: int = MAX_TOKENS, kind: str = "gdn") -> list[int]:
-    """The greedy continuation the tiny hybrid model's weights implement (`cluster.models.expected_next_token`)."""
-    from cluster.models import expected_next_token
+    """The greedy continuation the tiny hybrid model's weights implement (`cluster.core.models.expected_next_token`)."""
+    from cluster.core.models import expected_next_token
 
     ids = list(prompt)
     for _ in range(n):
@@ -156,7 +156,7 @@ def end_processes_under(marker: str) -> None:
 
 def metric(text: str, name: str) -> str:
     """The value of `name` (with its labels, when it has any: 'pd_degraded{role="prefill"}') in a /metrics page."""
-    from cluster.metrics import sample_value
+    from cluster.core.metrics import sample_value
 
     value = sample_value(text, name)
     assert value is not None, f"{name} not in /metrics"
@@ -176,16 +176,16 @@ def byte_classes(registration: dict[str, Any], probes: dict[str, list[int]]) -> 
     """Every byte class a decode engine reads for a hybrid request, as (probe prompt, noise specs per rank) for
     `EngineActor.corrupt_next_read`: each conv sub-projection (GDN Q, K, V; Mamba2 x, B, C) and each conv row in every
     state layer, each recurrent head of each state layer (on the rank that holds it), attention K and V. Offsets come
-    from the engine's run-time layout (`cluster.layout`). `probes`: the model's probe prompts (`cluster.models.probe_prompts`:
+    from the engine's run-time layout (`cluster.core.layout`). `probes`: the model's probe prompts (`cluster.core.models.probe_prompts`:
     "self" for the conv and attention classes, "layer L head H" for recurrent head H of the L-th state layer)."""
-    from cluster.hf_config import model_shape
-    from cluster.layout import layout_from_report
+    from cluster.core.hf_config import model_shape
+    from cluster.core.layout import layout_from_report
 
     shape = model_shape(registration["hf_config"])
     ranks = registration["ranks"]
     lay = layout_from_report(ranks[0]["layout"], shape)
     state, tp = shape.state, lay.tp
-    rows, elem = lay.conv_rows, lay.elem
+    rows, elem = lay.conv_rows, lay.elem_bytes
     places = [(g, region, layer) for g, group in enumerate(lay.groups) if group.kind == "state"
               for region, layer in enumerate(group.layers)]
     attention = [(g, region) for g, group in enumerate(lay.groups) if group.kind == "attention"
@@ -200,7 +200,7 @@ def byte_classes(registration: dict[str, Any], probes: dict[str, list[int]]) -> 
     channels = sum(lay.conv_proj_dims)
     for r in range(rows):
         out[f"conv row {r}"] = (probes["self"], every_state_layer([(c * rows * elem + r * elem, elem) for c in range(channels)], lay.dtype))
-    head_bytes = state.ssm.unit_elems * lay.ssm_elem
+    head_bytes = state.ssm.unit_elems * lay.ssm_elem_bytes
     for i, (g, region, layer) in enumerate(sorted(places, key=lambda p: p[2])):
         for head in range(state.ssm.units):
             specs: list[list[dict]] = [[] for _ in range(tp)]
@@ -232,7 +232,7 @@ def unseen_byte_classes(pd: PDCluster, prefill_id: str, decode_key: tuple[str, i
     by noise right after the read lands. Returns the classes whose output stayed as without the noise (empty: every
     class is seen). Each probe's clean output is checked against the model's rule first, and noise in bytes the model
     never reads (the state pages' padding, where there is some) must leave the output as it was."""
-    from cluster.models import probe_prompts
+    from cluster.core.models import probe_prompts
 
     decode = pd.engines[decode_key]
     router = pd.routers["decode"]

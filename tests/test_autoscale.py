@@ -27,7 +27,7 @@ import pytest
 import ray
 
 from actors.engine import free_port
-from cluster.config import DeployConfig
+from cluster.core.config import DeployConfig
 from cluster.launch import start_cluster, start_http, stop_cluster
 from tests.pd_helpers import oracle
 
@@ -83,7 +83,7 @@ class PoolWatch:
         ns = self.cluster.cfg.coordinator.namespace
         while not self._stop.wait(0.25):
             try:
-                engines = ray.get(self.cluster.coordinator.describe.remote(), timeout=10)["engines"]
+                engines = ray.get(self.cluster.core.coordinator.describe.remote(), timeout=10)["engines"]
             except Exception:  # noqa: BLE001 - the cluster is going away
                 continue
             count = {"prefill": 0, "decode": 0}
@@ -174,7 +174,7 @@ async def until(predicate, timeout_s: float, what: str, poll_s: float = 0.5) -> 
 
 
 def events(cluster) -> dict:
-    return ray.get(cluster.coordinator.pool_events.remote())
+    return ray.get(cluster.core.coordinator.pool_events.remote())
 
 
 def served_by(cluster, engine_id: str) -> float | None:
@@ -315,7 +315,7 @@ def _started(pid: int) -> float | None:
 def assert_left_cleanly(cluster, role: str, since: float) -> None:
     """The engine that left: deregistered (no pair names it) and none of its processes alive."""
     leave = next(l for l in events(cluster)["leaves"] if l["role"] == role and l["started"] >= since)
-    desc = ray.get(cluster.coordinator.describe.remote())
+    desc = ray.get(cluster.core.coordinator.describe.remote())
     assert leave["engine_id"] not in desc["engines"]
     assert all(leave["engine_id"] not in (p["prefill"], p["decode"]) for p in desc["pairs"])
     started = cluster.watch.started.get(leave["engine_id"], {})

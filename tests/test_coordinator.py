@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from cluster.coordinator import Coordinator, EngineRecord, RegistrationError
-from cluster.hf_config import load_config, model_shape
-from cluster.layout import offline_layout
-from cluster.planner import plan_pair
-from cluster.wire import pair_from_dict, pair_to_dict
+from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
+from cluster.core.hf_config import load_config, model_shape
+from cluster.core.layout import offline_layout
+from cluster.core.planner import plan_pair
+from cluster.core.wire import pair_from_dict, pair_to_dict
 
 MODEL = model_shape(load_config("configs/models/qwen3.5-0.8b.json"))
 

@@ -1,12 +1,12 @@
 """Disaggregated prefill/decode on the tiny Mamba2 hybrid (GraniteMoeHybrid, n_groups 1: B/C replicated on every
 rank) at (P, D) TP = (1, 2) and (2, 1), against the same requests run colocated on one engine and the rule the
-model's weights implement (`cluster.models.expected_next_token`, kind mamba2)."""
+model's weights implement (`cluster.core.models.expected_next_token`, kind mamba2)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.models import ensure_model
+from cluster.core.models import ensure_model
 from tests.pd_helpers import PDCluster, colocated, gather, oracle, prompts, run_pair, unseen_byte_classes
 
 pytestmark = pytest.mark.engine
@@ -44,14 +44,14 @@ def test_replicated_groups_read_from_one_rank_each(pd, reference):
     heads, and B/C once (from rank 0), never twice."""
     import ray
 
-    plan = ray.get(pd.coordinator.pair_plan.remote("prefill-tp2", "decode-tp1"))
+    plan = ray.get(pd.coordinator.pair_payload.remote("prefill-tp2", "decode-tp1"))
     import json
 
     reads = json.loads(plan)["pair"]["state_reads"][0]
-    by_region = {}
+    by_piece = {}
     for r in reads:
-        by_region.setdefault(r["region"], []).append(r["remote_rank"])
-    assert by_region == {"conv0": [0, 1], "conv1": [0], "conv2": [0], "ssm": [0, 1]}
+        by_piece.setdefault(r["piece"], []).append(r["remote_rank"])
+    assert by_piece == {"conv0": [0, 1], "conv1": [0], "conv2": [0], "ssm": [0, 1]}
 
 
 @pytest.mark.parametrize("p_tp, d_tp", PAIRS)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.models import ensure_model
+from cluster.core.models import ensure_model
 from tests.pd_helpers import PDCluster, gather, oracle, prompts, run_pair
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

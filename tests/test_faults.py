@@ -20,7 +20,7 @@ import ray
 from actors.coordinator import ENGINE_PREFIX
 from actors.engine import free_port, launch_engine_actor, stop_engine_actor
 from cluster.bench_faults import kill_engine as bench_kill_engine
-from cluster.config import DeployConfig
+from cluster.core.config import DeployConfig
 from cluster.launch import start_cluster, start_http, stop_cluster
 from tests.pd_helpers import metric, wait_for
 

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from actors.engine import free_port
-from cluster.config import DeployConfig
+from cluster.core.config import DeployConfig
 from cluster.launch import start_cluster, start_http, stop_cluster
 from tests.pd_helpers import metric, wait_for
 

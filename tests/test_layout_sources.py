@@ -10,8 +10,8 @@ import pytest
 
 os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
 
-from cluster.hf_config import model_shape  # noqa: E402
-from cluster.layout import LayoutError, layout_from_report, offline_layout  # noqa: E402
+from cluster.core.hf_config import model_shape  # noqa: E402
+from cluster.core.layout import LayoutError, layout_from_report, offline_layout  # noqa: E402
 
 TINY_QWEN3_NEXT = {
     "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 256, "num_hidden_layers": 4,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from cluster import models
+from cluster.core import models
 
 BUILT: dict[tuple[str, int], object] = {}
 

@@ -28,14 +28,14 @@ def test_plan_json_for_every_tp_pair(config, capsys):
                 assert out[side]["conv_state_bytes"] == sum(out[side]["conv_proj_dims"]) * 3 * 2
             assert len(out["reads"]) == d
             for reads in out["reads"]:
-                regions = {r["region"] for r in reads}
-                assert regions == {"conv0", "conv1", "conv2", "ssm"}
+                pieces = {r["piece"] for r in reads}
+                assert pieces == {"conv0", "conv1", "conv2", "ssm"}
                 # every decode rank reads exactly its conv and recurrent state, no more
-                assert sum(r["size"] for r in reads if r["region"] != "ssm") == out["decode"]["conv_state_bytes"]
-                assert sum(r["size"] for r in reads if r["region"] == "ssm") == out["decode"]["ssm_state_bytes"]
+                assert sum(r["size"] for r in reads if r["piece"] != "ssm") == out["decode"]["conv_state_bytes"]
+                assert sum(r["size"] for r in reads if r["piece"] == "ssm") == out["decode"]["ssm_state_bytes"]
                 for r in reads:
-                    limit = out["prefill"]["ssm_state_bytes" if r["region"] == "ssm" else "conv_state_bytes"]
-                    assert 0 <= r["offset"] and r["offset"] + r["size"] <= limit and 0 <= r["remote_rank"] < p
+                    limit = out["prefill"]["ssm_state_bytes" if r["piece"] == "ssm" else "conv_state_bytes"]
+                    assert 0 <= r["remote_offset"] and r["remote_offset"] + r["size"] <= limit and 0 <= r["remote_rank"] < p
 
 
 def test_human_readable_and_errors(tmp_path):

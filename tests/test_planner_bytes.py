@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.layout import AttentionShape, EngineLayout, ModelShape, Proj, StateShape, default_groups
-from cluster.planner import plan_pair, plan_request
+from cluster.core.layout import AttentionShape, EngineLayout, ModelShape, Proj, StateShape, default_groups
+from cluster.core.planner import plan_pair, plan_request
 from tests.memsim import RankMemory, execute, make_full_state
 
 TP_SIZES = (1, 2, 4, 8)
@@ -111,7 +111,7 @@ def run_plan(p_layout: EngineLayout, d_layout: EngineLayout, num_tokens: int, ca
         execute(plan, prefill, decode)
     except (AssertionError, IndexError) as e:  # a wrong plan may point outside memory
         return False, e
-    assert plan.recompute_from == num_tokens
+    assert plan.num_tokens == num_tokens
     ok = True
     for mem, exp in zip(decode, expected):
         for region, (got, want) in enumerate(zip(mem.regions, exp.regions)):
@@ -184,7 +184,7 @@ def test_prefix_cached_on_decode_with_differing_physical_blocks_per_logical():
     assert (p.physical_blocks_per_logical, d.physical_blocks_per_logical) == (4, 2)
     ok, plan = run_plan(p, d, 53, cached_blocks=2, seed=7)
     assert ok
-    assert plan.first_token == 32 and plan.recompute_from == 53
+    assert plan.first_token == 32 and plan.num_tokens == 53
     # a front-trim of block lists (pairing the last blocks of each list) is not what happened: tokens 32..52 moved
     assert plan.end_token == 56
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from cluster.hf_config import ConfigError, load_config, model_shape
-from cluster.layout import AttentionShape, CacheGroup, LayoutError, ModelShape, Proj, StateShape, offline_layout
-from cluster.planner import IncompatiblePair, RequestError, plan_pair, plan_request, tp_ratio
+from cluster.core.hf_config import ConfigError, load_config, model_shape
+from cluster.core.layout import AttentionShape, CacheGroup, LayoutError, ModelShape, Proj, StateShape, offline_layout
+from cluster.core.planner import IncompatiblePair, RequestError, plan_pair, plan_request, tp_ratio
 
 
 def gdn(kh=4, vh=8, kv=2, layers=4):

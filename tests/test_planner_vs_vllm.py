@@ -1,6 +1,6 @@
 """Differential tests: our pure-Python layout / transfer planner against the installed vLLM 0.32 code it mirrors.
 
-Each test computes the same quantity twice - once with `cluster.layout` / `cluster.planner`, once by calling vLLM's
+Each test computes the same quantity twice - once with `cluster.core.layout` / `cluster.core.planner`, once by calling vLLM's
 own helpers (conv-state split, TP mapping, kernel block expansion, hybrid block-size alignment) - and asserts that
 the two agree. vLLM is used only as an oracle; nothing here starts an engine.
 
@@ -47,9 +47,9 @@ except ImportError as exc:  # pragma: no cover - depends on the host
     raise ImportError(f"the differential tests mirror vLLM 0.32.0's own helpers, and {_installed()} is installed: "
                       f"{exc}") from exc
 
-from cluster.hf_config import model_shape
-from cluster.layout import AttentionShape, EngineLayout, ModelShape, default_groups, offline_layout
-from cluster.planner import _kernel_ids, plan_pair, plan_request, tp_ratio
+from cluster.core.hf_config import model_shape
+from cluster.core.layout import AttentionShape, EngineLayout, ModelShape, default_groups, offline_layout
+from cluster.core.planner import _kernel_ids, plan_pair, plan_request, tp_ratio
 
 TP_SIZES = (1, 2, 4, 8)
 TP_PAIRS = [(p, d) for p in TP_SIZES for d in TP_SIZES]
@@ -179,9 +179,9 @@ def test_local_conv_split_matches_vllm(name: str, tp: int) -> None:
     ours = our_layout(cfg, tp)
     split = derive_mamba_conv_split(vllm_mamba_spec(cfg, tp), tp)
     assert ours.conv_rows == split.conv_rows
-    assert ours.elem == split.conv_dtype_size
+    assert ours.elem_bytes == split.conv_dtype_size
     assert ours.conv_proj_dims == split.local_proj_dims
-    offsets = [(off, dim * ours.conv_rows * ours.elem) for off, dim in zip(ours.conv_proj_offsets(), ours.conv_proj_dims)]
+    offsets = [(off, dim * ours.conv_rows * ours.elem_bytes) for off, dim in zip(ours.conv_proj_offsets(), ours.conv_proj_dims)]
     assert offsets == split.local_conv_offsets
     assert (ours.conv_state_bytes, ours.ssm_state_bytes) == split.ssm_sizes
     # the recurrent state starts right after the conv state in both
@@ -247,7 +247,7 @@ def vllm_state_reads(cfg: dict, p_tp: int, d_tp: int, d_rank: int) -> list[tuple
 
 
 def our_state_reads(pair, d_rank: int) -> list[tuple[int, str, int, int, int]]:
-    return sorted((r.remote_rank, r.region, r.remote_offset, r.size, r.local_offset) for r in pair.state_reads[d_rank])
+    return sorted((r.remote_rank, r.piece, r.remote_offset, r.size, r.local_offset) for r in pair.state_reads[d_rank])
 
 
 @pytest.mark.parametrize("p_tp,d_tp", TP_PAIRS)
@@ -273,7 +273,7 @@ def test_remote_state_reads_match_vllm(name: str, p_tp: int, d_tp: int) -> None:
 
 def _mamba2_truth_channels(cfg: dict, tp: int, rank: int) -> list[list[int]]:
     """Global conv channel ids [x, B, C] that `rank` of `tp` holds, from Mamba2's sharding rule (a rank holds its
-    heads and the groups those heads belong to), written independently of cluster.layout."""
+    heads and the groups those heads belong to), written independently of cluster.core.layout."""
     H, hd, G, S = cfg["num_heads"], cfg["head_dim"], cfg["n_groups"], cfg["state_size"]
     heads = range(rank * H // tp, (rank + 1) * H // tp)
     groups = sorted({h // (H // G) for h in heads})
@@ -308,7 +308,7 @@ def test_known_vllm_mamba2_group_bug(p_tp: int, d_tp: int) -> None:
     cfg = mamba2_config(n_groups=1)
     P, D = our_layout(cfg, p_tp), our_layout(cfg, d_tp)
     pair = plan_pair(P, D)
-    rows, elem = P.conv_rows, P.elem
+    rows, elem = P.conv_rows, P.elem_bytes
     remote_bufs = [_conv_buffer(_mamba2_truth_channels(cfg, p_tp, p), rows) for p in range(p_tp)]
     vllm_wrong = []
     for d in range(d_tp):

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.router import EngineFailure, Router
+from actors.router import EngineFailure, Router
 
 
 def _ready(value):

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cluster.errors import FieldError
-from cluster.layout import AttentionShape, ModelShape, Proj, StateShape
+from cluster.core.errors import FieldError
+from cluster.core.layout import AttentionShape, ModelShape, Proj, StateShape
 
 
 class ConfigError(FieldError):

@@ -11,7 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.verify import verify_fraction
+from cluster.core.verify import verify_fraction
 
 
 class _Strict(BaseModel):
@@ -38,7 +38,7 @@ class ModelConfig(_Strict):
 
 class ScalingConfig(_Strict):
     """How a pool autoscales between min_replicas and max_replicas (Ray Serve autoscaling with this project's policy,
-    `cluster/autoscale.py`). Each pool reads only its own signal: a prefill pool its queued prompt tokens, a decode pool
+    `actors/autoscale.py`). Each pool reads only its own signal: a prefill pool its queued prompt tokens, a decode pool
     its running sequences and KV/state cache usage."""
 
     target_queued_prompt_tokens: int = Field(

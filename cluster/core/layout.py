@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-from cluster.errors import FieldError
+from cluster.core.errors import FieldError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
@@ -220,11 +220,11 @@ class EngineLayout:
         return max((len(g.layers) for g in self.groups), default=0)
 
     @cached_property
-    def elem(self) -> int:
+    def elem_bytes(self) -> int:
         return dtype_bytes(self.dtype)
 
     @cached_property
-    def ssm_elem(self) -> int:
+    def ssm_elem_bytes(self) -> int:
         return dtype_bytes(self.ssm_dtype)
 
     @cached_property
@@ -243,19 +243,19 @@ class EngineLayout:
         offs, at = [], 0
         for dim in self.conv_proj_dims:
             offs.append(at)
-            at += dim * self.conv_rows * self.elem
+            at += dim * self.conv_rows * self.elem_bytes
         return tuple(offs)
 
     @cached_property
     def conv_state_bytes(self) -> int:
-        return sum(self.conv_proj_dims) * self.conv_rows * self.elem
+        return sum(self.conv_proj_dims) * self.conv_rows * self.elem_bytes
 
     @cached_property
     def ssm_state_bytes(self) -> int:
         if not self.model.state:
             return 0
         ssm = self.model.state.ssm
-        return ssm.local_units(self.tp) * ssm.unit_elems * self.ssm_elem
+        return ssm.local_units(self.tp) * ssm.unit_elems * self.ssm_elem_bytes
 
     @cached_property
     def ssm_offset(self) -> int:
@@ -275,7 +275,7 @@ class EngineLayout:
         """One KV head's K and V rows in one kernel block."""
         if not self.model.attention:
             return 0
-        return 2 * self.kernel_block_size * self.model.attention.head_dim * self.elem
+        return 2 * self.kernel_block_size * self.model.attention.head_dim * self.elem_bytes
 
     @cached_property
     def kv_kernel_block_bytes(self) -> int:
@@ -322,7 +322,7 @@ def offline_layout(
     (any multiple of 32 tokens); pass `kernel_block_size` for GPU backends with fixed kernel sizes."""
     ssm_dtype = ssm_dtype or dtype
     probe = EngineLayout(model, tp, dtype, ssm_dtype, 1, 1, 1 << 62, default_groups(model))  # sizes only
-    per_token = probe.kv_heads_local * 2 * model.attention.head_dim * probe.elem if model.attention else 0
+    per_token = probe.kv_heads_local * 2 * model.attention.head_dim * probe.elem_bytes if model.attention else 0
     state_page = probe.min_state_page_bytes
     requested = block_size or (128 if model.attention else 1)
     if model.attention and model.state:

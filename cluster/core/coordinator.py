@@ -9,10 +9,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cluster.errors import FieldError
-from cluster.layout import EngineLayout, fields_differ
-from cluster.planner import IncompatiblePair, PairPlan, plan_pair
-from cluster.wire import pair_to_dict
+from cluster.core.errors import FieldError
+from cluster.core.layout import EngineLayout, fields_differ
+from cluster.core.planner import IncompatiblePair, PairPlan, plan_pair
+from cluster.core.wire import pair_to_dict
 
 Role = Literal["prefill", "decode"]
 
@@ -33,10 +33,9 @@ class EngineRecord:
 
 
 class Coordinator:
-    def __init__(self, max_stats: int = 10_000):
+    def __init__(self) -> None:
         self.engines: dict[str, EngineRecord] = {}
         self.pairs: dict[tuple[str, str], PairPlan] = {}
-        self.transfers: deque[dict[str, Any]] = deque(maxlen=max_stats)
         self.negotiation_us: list[float] = []
         # plans depend only on the two layouts (engine identity travels separately in `payload`): engines of one pool
         # share a layout, so P x D pairs cost one plan per distinct (prefill layout, decode layout)
@@ -167,13 +166,6 @@ class Coordinator:
     def routes(self) -> dict[str, list[str]]:
         """Every ready prefill engine -> the ready decode engines approved for it (what a router picks from)."""
         return {p: self.decodes_for(p) for p in self.ready("prefill")}
-
-    # ---- stats ----
-    def record_transfers(self, stats: list[dict[str, Any]]) -> None:
-        self.transfers.extend(stats)
-
-    def transfer_stats(self, request_id: str | None = None) -> list[dict[str, Any]]:
-        return [s for s in self.transfers if request_id is None or s.get("request_id") == request_id]
 
     def _engine(self, engine_id: str) -> EngineRecord:
         try:

@@ -17,13 +17,14 @@ No Ray, vLLM or NIXL imports here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
-from cluster.errors import FieldError
-from cluster.layout import HEAD_MAJOR, EngineLayout, Proj, fields_differ
+from cluster.core.errors import FieldError
+from cluster.core.layout import HEAD_MAJOR, EngineLayout, Proj, fields_differ
 
 
 class IncompatiblePair(ValueError):
@@ -54,25 +55,16 @@ class Read:
     """One contiguous read: `size` bytes at `remote_offset` of `remote_rank` into `local_offset` of this rank."""
 
     remote_rank: int
-    region: str  # conv0 / conv1 / conv2 / ssm
+    piece: str  # which piece of the state page: conv0 / conv1 / conv2 (conv channel groups) or ssm
     remote_offset: int
     size: int
     local_offset: int
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "remote_rank": self.remote_rank,
-            "region": self.region,
-            "offset": self.remote_offset,
-            "size": self.size,
-            "local_offset": self.local_offset,
-        }
-
 
 @dataclass(frozen=True)
-class HeadRun:
-    """`count` consecutive KV heads read from `remote_rank`, starting at its head slot `remote_slot`, into local
-    head slot `local_slot`."""
+class UnitRun:
+    """`count` consecutive units (KV heads, state heads or groups, conv channel groups) read from `remote_rank`,
+    starting at its unit slot `remote_slot`, into local unit slot `local_slot`."""
 
     remote_rank: int
     remote_slot: int
@@ -80,7 +72,7 @@ class HeadRun:
     count: int
 
 
-def unit_runs(proj: Proj, prefill_tp: int, decode_tp: int, decode_rank: int) -> list[HeadRun]:
+def unit_runs(proj: Proj, prefill_tp: int, decode_tp: int, decode_rank: int) -> list[UnitRun]:
     """For one projection, where each unit held by `decode_rank` comes from: runs of consecutive units that are
     consecutive on one prefill rank too. A unit held by several prefill ranks (replication) is read from the lowest
     holder inside this decode rank's own share of the prefill ranks, so a decode rank reads from as few ranks as it
@@ -92,15 +84,15 @@ def unit_runs(proj: Proj, prefill_tp: int, decode_tp: int, decode_rank: int) -> 
     # this decode rank's own share of the prefill ranks (for tp_ratio > 0: the one rank it slices)
     first = decode_rank * prefill_tp // decode_tp
     share = range(first, max(-(-(decode_rank + 1) * prefill_tp // decode_tp), first + 1))
-    runs: list[HeadRun] = []
+    runs: list[UnitRun] = []
     for local_slot, unit in enumerate(proj.held_units(decode_tp, decode_rank)):
         # a holder inside the share first (lowest rank), else the nearest one
         p, slot = min(holders[unit], key=lambda h: (h[0] not in share, abs(h[0] - first), h[0]))
         last = runs[-1] if runs else None
         if last and last.remote_rank == p and last.remote_slot + last.count == slot and last.local_slot + last.count == local_slot:
-            runs[-1] = HeadRun(p, last.remote_slot, last.local_slot, last.count + 1)
+            runs[-1] = UnitRun(p, last.remote_slot, last.local_slot, last.count + 1)
         else:
-            runs.append(HeadRun(p, slot, local_slot, 1))
+            runs.append(UnitRun(p, slot, local_slot, 1))
     return runs
 
 
@@ -114,7 +106,7 @@ class PairPlan:
     # per decode rank: the reads that fill one state page (one GDN/Mamba layer), region-by-region
     state_reads: tuple[tuple[Read, ...], ...]
     # per decode rank: the KV-head runs it reads from the prefill ranks
-    kv_head_runs: tuple[tuple[HeadRun, ...], ...]
+    kv_head_runs: tuple[tuple[UnitRun, ...], ...]
 
     def remote_ranks(self, decode_rank: int) -> tuple[int, ...]:
         ranks = {r.remote_rank for r in self.state_reads[decode_rank]}
@@ -149,8 +141,8 @@ class PairPlan:
         out = []
         for reads in self.state_reads:
             rows = [
-                (r.remote_rank, r.remote_offset + (p.ssm_offset if r.region == "ssm" else 0),
-                 r.local_offset + (d.ssm_offset if r.region == "ssm" else 0), r.size)
+                (r.remote_rank, r.remote_offset + (p.ssm_offset if r.piece == "ssm" else 0),
+                 r.local_offset + (d.ssm_offset if r.piece == "ssm" else 0), r.size)
                 for r in reads
             ]
             out.append(coalesce(np.array(rows, dtype=np.int64).reshape(-1, 4)))
@@ -161,10 +153,10 @@ class PairPlan:
             "tp_ratio": self.tp_ratio,
             "prefill": self.prefill.summary(),
             "decode": self.decode.summary(),
-            "reads": [[r.as_dict() for r in reads] for reads in self.state_reads],
+            "reads": [[dataclasses.asdict(r) for r in reads] for reads in self.state_reads],
             "state_descriptors_per_layer": [len(self.state_descriptors(d)) for d in range(self.decode.tp)],
             "kv_head_runs": [
-                [{"remote_rank": h.remote_rank, "remote_slot": h.remote_slot, "local_slot": h.local_slot, "count": h.count} for h in runs]
+                [dataclasses.asdict(h) for h in runs]
                 for runs in self.kv_head_runs
             ],
             "remote_ranks": [list(self.remote_ranks(d)) for d in range(self.decode.tp)],
@@ -210,14 +202,14 @@ def validate_pair(prefill: EngineLayout, decode: EngineLayout) -> int:
 def plan_pair(prefill: EngineLayout, decode: EngineLayout) -> PairPlan:
     ratio = validate_pair(prefill, decode)
     state_reads: list[tuple[Read, ...]] = []
-    kv_runs: list[tuple[HeadRun, ...]] = []
+    kv_runs: list[tuple[UnitRun, ...]] = []
     state = prefill.model.state
     for d in range(decode.tp):
         reads: list[Read] = []
         if state:
             p_offs, d_offs = prefill.conv_proj_offsets(), decode.conv_proj_offsets()
             for i, proj in enumerate(state.conv_projs):
-                unit = proj.unit_elems * state.conv_rows * prefill.elem
+                unit = proj.unit_elems * state.conv_rows * prefill.elem_bytes
                 for run in unit_runs(proj, prefill.tp, decode.tp, d):
                     reads.append(
                         Read(
@@ -228,7 +220,7 @@ def plan_pair(prefill: EngineLayout, decode: EngineLayout) -> PairPlan:
                             d_offs[i] + run.local_slot * unit,
                         )
                     )
-            unit = state.ssm.unit_elems * prefill.ssm_elem
+            unit = state.ssm.unit_elems * prefill.ssm_elem_bytes
             for run in unit_runs(state.ssm, prefill.tp, decode.tp, d):
                 reads.append(Read(run.remote_rank, "ssm", run.remote_slot * unit, run.count * unit, run.local_slot * unit))
         state_reads.append(tuple(reads))
@@ -268,14 +260,13 @@ class RequestPlan:
     """What one decode rank set reads for one request.
 
     `num_tokens` prompt tokens were run by the prefill engine (the prompt minus its last token for hybrid models: a
-    recurrent state cannot be rewound, so the decode side runs `prompt[recompute_from:]` itself). Attention KV is read
+    recurrent state cannot be rewound, so the decode side runs `prompt[num_tokens:]` itself). Attention KV is read
     for token positions [first_token, end_token): first_token skips the decode side's cached prefix, end_token pads
     the tail to the end of the kernel block both sides hold."""
 
     num_tokens: int
     first_token: int
     end_token: int
-    recompute_from: int
     reads: tuple[tuple[RegionReads, ...], ...]  # per decode rank
     uncoalesced: tuple[int, ...]  # per decode rank: descriptors before coalescing (one per layer, block and region)
 
@@ -333,7 +324,7 @@ def _attention_rows(pair: PairPlan, decode_rank: int, p_blocks: np.ndarray, d_bl
     d_base = _kernel_ids(d_blocks, a, d) * d.kernel_page_bytes
     p_row, d_row = a % kp, a % kd
     whole = (p_row == 0) & (d_row == 0) & (b - a == kp) & (b - a == kd)
-    tok = p.model.attention.head_dim * p.elem  # bytes of one token of one head in K (or V)
+    tok = p.model.attention.head_dim * p.elem_bytes  # bytes of one token of one head in K (or V)
     parts = []
     for run in pair.kv_head_runs[decode_rank]:
         # whole kernel blocks on both sides (same kernel size): one read per head run
@@ -427,4 +418,4 @@ def plan_request(
             by_regions.setdefault(regions, []).append(rows)
         reads.append(tuple(RegionReads(regs, coalesce(np.concatenate(parts))) for regs, parts in by_regions.items()))
         uncoalesced.append(baseline)
-    return RequestPlan(num_tokens, start, end, num_tokens, tuple(reads), tuple(uncoalesced))
+    return RequestPlan(num_tokens, start, end, tuple(reads), tuple(uncoalesced))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cluster.layout import AttentionShape, CacheGroup, EngineLayout, ModelShape, Proj, StateShape
-from cluster.planner import HeadRun, PairPlan, Read
+from cluster.core.layout import AttentionShape, CacheGroup, EngineLayout, ModelShape, Proj, StateShape
+from cluster.core.planner import UnitRun, PairPlan, Read
 
 # a prefill request's transfer-parameter flag (engine actor -> connector scheduler): prefill the whole prompt and
 # sample the first output token, instead of vLLM's hybrid default of stopping one prompt token short
@@ -56,5 +56,5 @@ def pair_from_dict(d: dict[str, Any]) -> PairPlan:
         decode=layout_from_dict(d["decode"]),
         tp_ratio=d["tp_ratio"],
         state_reads=tuple(tuple(Read(**r) for r in reads) for reads in d["state_reads"]),
-        kv_head_runs=tuple(tuple(HeadRun(**h) for h in runs) for runs in d["kv_head_runs"]),
+        kv_head_runs=tuple(tuple(UnitRun(**h) for h in runs) for runs in d["kv_head_runs"]),
     )

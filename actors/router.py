@@ -44,7 +44,7 @@ import uuid
 from collections import Counter
 from typing import Any, AsyncIterator
 
-from cluster.verify import TRANSFER_VERIFY_FAILED
+from cluster.core.verify import TRANSFER_VERIFY_FAILED
 
 log = logging.getLogger("pd.router")
 COORDINATOR_TIMEOUT_S = 10.0
