@@ -17,6 +17,7 @@ Typical use:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import getpass
 import json
 import logging
@@ -37,6 +38,7 @@ import ray
 import zmq
 
 from actors.engine_health import Health
+from cluster.core.metrics import TransferTotals
 from cluster.core.verify import TRANSFER_VERIFY_FAILED, VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
 from cluster.core.wire import FIRST_TOKEN
 
@@ -261,8 +263,7 @@ class EngineActor:
         self._unread: list[dict[str, Any]] = []
         # running totals for /metrics: a decode engine's reads, verify outcomes, and every engine's prompt tokens found
         # in its own prefix cache (a prefill engine's prefills, a decode engine's reads and colocated requests)
-        self._totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0,
-                        "verified": 0, "verify_failures": 0, "verify_seconds": 0.0, "cached_prompt_tokens": 0}
+        self._totals = TransferTotals()
         # transfer.verify (cluster/core/verify.py): the fraction of requests verified; requests submitted for
         # verification and not finished (by prefill-side request id); landed reads by request and decode rank until
         # every rank's are in; verify failures by prefill-side request id (what ended them)
@@ -446,12 +447,12 @@ class EngineActor:
         for s in fresh:
             if not s.get("ok", True):  # a failed read moved nothing useful
                 continue
-            self._totals["transfers"] += bool(s["bytes"])  # a full local prefix hit reads nothing
-            self._totals["bytes"] += s["bytes"]
-            self._totals["descriptors"] += s["descriptors"]
-            self._totals["seconds"] += s["ms"] / 1e3
+            self._totals.transfers += bool(s["bytes"])  # a full local prefix hit reads nothing
+            self._totals.bytes += s["bytes"]
+            self._totals.descriptors += s["descriptors"]
+            self._totals.seconds += s["ms"] / 1e3
             if s["decode_rank"] == 0:  # every rank of a read reports the same local hit
-                self._totals["cached_prompt_tokens"] += s.get("cached_tokens", 0)
+                self._totals.cached_prompt_tokens += s.get("cached_tokens", 0)
 
     async def transfer_stats(self) -> list[dict[str, Any]]:
         """Per request and decode rank: bytes, descriptors, milliseconds of the NIXL reads (drained on read)."""
@@ -460,13 +461,11 @@ class EngineActor:
         out, self._unread = self._unread, []
         return out
 
-    async def transfer_totals(self) -> dict[str, float]:
-        """Running totals since start: a decode engine's reads (transfers - one per request and decode rank -, bytes,
-        descriptors, seconds, verify outcomes) and any engine's cached_prompt_tokens (prompt tokens found in its own
-        prefix cache). Not drained: what /metrics exports as counters."""
+    async def transfer_totals(self) -> TransferTotals:
+        """Running totals since start (see `TransferTotals`). Not drained: what /metrics exports as counters."""
         self._require_engine()
         await self._collect_stats()
-        return dict(self._totals)
+        return dataclasses.replace(self._totals)
 
     # ---- transfer.verify: every byte range read checked against the prefill side's before the request runs ---------
     async def set_verify(self, fraction: float) -> None:
@@ -573,17 +572,17 @@ class EngineActor:
                 self._verify_expected.discard(remote_id)
                 ms = (now - self._verify_seen.pop(req_id, now)) * 1e3
                 self._verify_ms = (self._verify_ms + [ms])[-UNREAD_STATS_KEPT:]
-                self._totals["verify_seconds"] += ms / 1e3
+                self._totals.verify_seconds += ms / 1e3
                 if req_id in bad:
                     what = "; ".join(bad[req_id])
                     log.error("transfer verify failed: request %s, pair %s -> %s: %s", remote_id, prefill_id,
                               self.engine_id, what)
-                    self._totals["verify_failures"] += 1
+                    self._totals.verify_failures += 1
                     self._verify_failed[remote_id] = f"pair {prefill_id} -> {self.engine_id}: {what}"
                     while len(self._verify_failed) > VERIFY_FAILED_KEPT:
                         del self._verify_failed[next(iter(self._verify_failed))]
                 else:
-                    self._totals["verified"] += 1
+                    self._totals.verified += 1
         return verdicts
 
     async def _prefill_checksums(self, prefill_id: str, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
@@ -665,7 +664,7 @@ class EngineActor:
             await self.release([final.kv_transfer_params["remote_request_id"]])
             raise scored[0]
         self.first_served_at = self.first_served_at or time.time()
-        self._totals["cached_prompt_tokens"] += final.num_cached_tokens or 0
+        self._totals.cached_prompt_tokens += final.num_cached_tokens or 0
         kv_transfer_params = dict(final.kv_transfer_params)
         first = None
         if first_token is not None:
@@ -702,7 +701,7 @@ class EngineActor:
         try:
             async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
                 if colocated:  # its prefix-cache hit (a read's is counted with the read)
-                    self._totals["cached_prompt_tokens"] += output.num_cached_tokens or 0
+                    self._totals.cached_prompt_tokens += output.num_cached_tokens or 0
                     colocated = False
                 c = output.outputs[0]
                 item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
@@ -795,7 +794,7 @@ class EngineActor:
                                                      request_id=request_id):
                 self.first_served_at = self.first_served_at or time.time()
                 if colocated:
-                    self._totals["cached_prompt_tokens"] += output.num_cached_tokens or 0
+                    self._totals.cached_prompt_tokens += output.num_cached_tokens or 0
                     colocated = False
                 if detokenizer is not None and output.outputs:  # deltas (a continuation always streams them)
                     c = output.outputs[0]

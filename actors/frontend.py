@@ -30,8 +30,8 @@ import ray
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from cluster.core.metrics import ServiceMetrics
 from actors.router import EngineFailure, NoCapacity, Router
+from cluster.core.metrics import ServiceMetrics, TransferTotals
 
 log = logging.getLogger("pd.frontend")
 FRONTEND_ACTOR = "pd-http-frontend"
@@ -374,7 +374,7 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
     await init_app_state(client, app.state, args, tasks)
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) in VLLM_ROUTES]
     app.title, app.description = "hybrid-pd", "vLLM's OpenAI API over disaggregated prefill/decode"
-    transfer_seen: dict[str, dict[str, float]] = {}  # decode engine -> its last reported transfer totals
+    transfer_seen: dict[str, tuple[str, TransferTotals]] = {}  # engine -> (role, its last reported totals)
     retry = {"Retry-After": str(settings.retry_after_s)}
 
     @app.get("/health")
@@ -426,7 +426,7 @@ def _key_ok(request: Any, key: str) -> bool:
     return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
 
 
-async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, dict[str, float]]) -> dict[str, Any]:
+async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple[str, TransferTotals]]) -> dict[str, Any]:
     """Pool sizes, autoscaling decisions and signals from the coordinator, and running totals from the engines
     (bounded by a timeout): the decode engines' transfers, every engine's prompt tokens found in its prefix cache."""
     desc = await asyncio.wait_for(coordinator.describe.remote(), 5)
@@ -438,19 +438,18 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, dict[
             pools.setdefault((role, st), 0)
     roles = {k: e["role"] for k, e in desc["engines"].items()}
 
-    async def one(engine_id: str) -> dict[str, float]:
+    async def one(engine_id: str) -> tuple[str, TransferTotals]:
         handle = await router._handle(engine_id, roles[engine_id])
-        return {**await asyncio.wait_for(handle.transfer_totals.remote(), 5), "role": roles[engine_id]}
+        return roles[engine_id], await asyncio.wait_for(handle.transfer_totals.remote(), 5)
 
     for engine_id, got in zip(roles, await asyncio.gather(*(one(e) for e in roles), return_exceptions=True)):
-        if isinstance(got, dict):
+        if isinstance(got, tuple):
             seen[engine_id] = got
-    totals = {"transfers": 0, "bytes": 0, "descriptors": 0, "seconds": 0.0, "verified": 0, "verify_failures": 0}
+    totals = TransferTotals()
     cached = {"prefill": 0, "decode": 0}
-    for engine_totals in seen.values():  # counters never go down: engines that left keep their last totals
-        for k in totals:
-            totals[k] += engine_totals.get(k, 0)
-        cached[engine_totals["role"]] += engine_totals.get("cached_prompt_tokens", 0)
+    for role, engine_totals in seen.values():  # counters never go down: engines that left keep their last totals
+        totals += engine_totals
+        cached[role] += engine_totals.cached_prompt_tokens
     return {"pools": pools, "transfers": totals, "cached_prompt_tokens": cached, "retried": router.retried,
             "scaling": desc.get("pools", {}), "colocated": dict(router.colocated), "degraded": router.degraded,
             "failed_over": router.failed_over, "first_from_prefill": router.first_from_prefill,

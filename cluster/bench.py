@@ -136,14 +136,14 @@ async def _bench_prefix(model_dir, p_tp: int, d_tp: int, prefix_len: int, suffix
         for i in range(reps + 1):  # the first round warms both engines and is not counted
             doc = [1] + words(prefix_len - 1)
             for kind in ("miss", "hit"):
-                cached_p = (await P.transfer_totals.remote())["cached_prompt_tokens"]
+                cached_p = (await P.transfer_totals.remote()).cached_prompt_tokens
                 await D.transfer_stats.remote()
                 ttft, _, _ = await _ttft(lambda: router.generate(doc + words(suffix_len), dict(sampling)))
                 reads = [s for s in await D.transfer_stats.remote() if s["ok"]]
                 if i:
                     runs[kind].append({
                         "ttft_ms": ttft * 1e3, "bytes": sum(s["bytes"] for s in reads),
-                        "prefill_cached": (await P.transfer_totals.remote())["cached_prompt_tokens"] - cached_p,
+                        "prefill_cached": (await P.transfer_totals.remote()).cached_prompt_tokens - cached_p,
                         "decode_cached": max((s["cached_tokens"] for s in reads), default=0),
                     })
         med = lambda kind, key: statistics.median(r[key] for r in runs[kind])  # noqa: E731

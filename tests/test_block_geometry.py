@@ -143,12 +143,12 @@ def test_prefix_hits_with_different_physical_blocks_per_logical(pd):
     ray.get(decode.transfer_stats.remote())
     gather([run_pair(pd.router, P, D_TP1, doc[:700])])
     (first,) = ray.get(decode.transfer_stats.remote())
-    before = ray.get(prefill.transfer_totals.remote())["cached_prompt_tokens"]
+    before = ray.get(prefill.transfer_totals.remote()).cached_prompt_tokens
     gather([run_pair(pd.router, P, D_TP1, doc[:700] + [5, 6, 7] + doc[700:760])])
     (second,) = ray.get(decode.transfer_stats.remote())
     held = 700 // 256
     assert second["cached_tokens"] == held * 256
-    assert ray.get(prefill.transfer_totals.remote())["cached_prompt_tokens"] - before == 700 // 128 * 128
+    assert ray.get(prefill.transfer_totals.remote()).cached_prompt_tokens - before == 700 // 128 * 128
     d_blocks = first["local_blocks"][group][:held] + second["local_blocks"][group]
     p_crc, d_crc = kv_crcs(pd, ("decode", 1), second["remote_blocks"][group], d_blocks, second["tokens"])
     assert len(p_crc) == second["tokens"] // KERNEL and p_crc == d_crc

@@ -521,8 +521,8 @@ def test_transfer_verify_checks_every_read_and_fails_closed(pd, reference):
         before = ray.get(decode.transfer_totals.remote())
         assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
         totals = ray.get(decode.transfer_totals.remote())
-        assert totals["verified"] - before["verified"] == len(prompts())
-        assert totals["verify_failures"] == before["verify_failures"]
+        assert totals.verified - before.verified == len(prompts())
+        assert totals.verify_failures == before.verify_failures
         stats = ray.get(decode.transfer_stats.remote())
         assert len(stats) == 2 * len(prompts()) and all(s["verify"] and s["ok"] for s in stats)
         assert len(ray.get(decode.verify_timings.remote())) == len(prompts())
@@ -542,8 +542,8 @@ def test_transfer_verify_checks_every_read_and_fails_closed(pd, reference):
         assert asyncio.run(once(prompts()[2], retries=0, router=pd.router)) == reference[2]
         assert pd.router.failed_over == failed_over + 1
         after = ray.get(decode.transfer_totals.remote())
-        assert after["verify_failures"] - totals["verify_failures"] == 3
-        assert after["verified"] - totals["verified"] == 2
+        assert after.verify_failures - totals.verify_failures == 3
+        assert after.verified - totals.verified == 2
         assert ray.get(prefill.pending_sends.remote(wait_s=10)) == []
 
         ray.get(decode.set_verify.remote(0.5))

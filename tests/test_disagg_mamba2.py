@@ -1,6 +1,9 @@
 """Disaggregated prefill/decode on the tiny Mamba2 hybrid (GraniteMoeHybrid, n_groups 1: B/C replicated on every
 rank) at (P, D) TP = (1, 2) and (2, 1), against the same requests run colocated on one engine and the rule the
-model's weights implement (`cluster.core.models.expected_next_token`, kind mamba2)."""
+model's weights implement (`cluster.core.models.expected_next_token`, kind mamba2); and a TP 4 decode side,
+P TP 1 -> D TP 4 (two heads per decode rank, the one B/C group replicated on all four; TP 4 on two cores is slow:
+short requests only). The GDN family's TP 4 decode side runs in test_disagg_gdn_asym.py, whose asymmetric model
+(value heads = 2 x key heads, KV heads replicated) is the harder case of the same reads."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ PAIRS = [(1, 2), (2, 1)]
 
 @pytest.fixture(scope="module")
 def pd(ray_local):
-    cluster = PDCluster(ensure_model("mamba2"), [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)], "mamba2")
+    cluster = PDCluster(ensure_model("mamba2"), [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2), ("decode", 4)],
+                        "mamba2")
     print(f"engine startup seconds: {cluster.startup_s}")
     yield cluster
     cluster.stop()
@@ -81,3 +85,10 @@ def test_prompts_on_block_boundaries(pd, p_tp, d_tp, first):
         assert out == oracle(prompt, kind="mamba2"), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}, first: {first}"
     read = sorted({s["tokens"] for s in ray.get(decode.transfer_stats.remote())})
     assert read == sorted(lengths), read
+
+
+def test_prefill_to_decode_tp4(pd):
+    cases = prompts(seed=21, lengths=(5, 300))
+    outs = gather(run_pair(pd.router, "prefill-tp1", "decode-tp4", p, max_tokens=6) for p in cases)
+    for prompt, out in zip(cases, outs):
+        assert out == oracle(prompt, 6, "mamba2"), f"{len(prompt)}-token prompt, P TP 1 -> D TP 4"

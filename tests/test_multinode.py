@@ -2,12 +2,14 @@
 network namespaces of the test's own, joined by a bridge (veth pairs, addresses in a /24 that only this test uses).
 The prefill pool is placed on one node and the decode pool on another (`placement.labels`), and NIXL is told to
 use TCP over the namespaces' veth interface (`env: UCX_TLS, UCX_NET_DEVICES`), so the state crosses the bridge
-instead of same-host shared memory (checked with the interface's byte counters). The launcher runs as a separate
-Ray driver on the head node, as `ray job submit` would run it; the test is an HTTP client on loopback.
+instead of same-host shared memory (checked with the interface's byte counters). The cluster is started with
+`ray job submit` onto the head node (token authentication on, Ray 2.60's default), as the README documents it; the
+test is an HTTP client on loopback.
 
 Then the decode node is removed (every process in its namespace SIGKILLed): streams in flight continue on the
 prefill engine (degraded mode), new requests are answered, `/health` says degraded, nothing hangs and the surviving
-prefill engine holds no blocks for the dead requests.
+prefill engine holds no blocks for the dead requests. Last, `ray job stop` shuts the cluster down: the launcher's
+clean-up runs to its end, no engine process is left, the HTTP endpoint is gone.
 
 Needs root (network namespaces); traffic goes only to addresses inside the namespaces this test made."""
 
@@ -19,6 +21,7 @@ import os
 import random
 import secrets
 import signal
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import yaml
 
@@ -42,6 +46,12 @@ IFACE = "pd0"  # the veth end inside each namespace (UCX_NET_DEVICES names it)
 START_TIMEOUT_S = 600
 MAX_TOKENS = 300  # per stream of the node-removal test: long enough to be cut in the middle
 IDS = {"return_tokens_as_token_ids": True, "ignore_eos": True}  # logprobs name each token "token_id:<id>"
+
+
+def ray_cli(args: list[str], env: dict[str, str], timeout: float = 120) -> str:
+    r = subprocess.run([str(BIN / "ray"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"ray {' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout + r.stderr
 
 
 def sh(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> str:
@@ -136,7 +146,7 @@ print(json.dumps(free))
 @pytest.fixture(scope="module")
 def nodes(gdn_model, tmp_path_factory):
     """The head node (root namespace, the bridge address) and two worker nodes in namespaces, labelled pd-node=prefill
-    and pd-node=decode; the cluster launched onto them by a driver process; everything removed afterwards."""
+    and pd-node=decode; the cluster launched onto them with `ray job submit`; everything removed afterwards."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     shm_before = _shm()
@@ -145,14 +155,16 @@ def nodes(gdn_model, tmp_path_factory):
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(16), "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
-    gcs_port = free_port()
+    gcs_port, dashboard = free_port(), free_port()
     ray = str(BIN / "ray")
-    driver = None
-    log_path = tmp_path_factory.mktemp("multinode") / "launch.log"
+    jobs = f"http://127.0.0.1:{dashboard}"  # the job server (the dashboard) listens on loopback only
+    job_id = None
+    work = tmp_path_factory.mktemp("multinode")
     try:
         sh(ray, "start", "--head", "--node-ip-address", hosts.head_ip, "--port", str(gcs_port), "--num-cpus", "2",
-           "--include-dashboard", "false", "--ray-client-server-port", str(free_port()), "--temp-dir", temp_dir,
-           "--disable-usage-stats", "--labels", "pd-node=head", env=env, timeout=120)
+           "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
+           "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
+           "--temp-dir", temp_dir, "--disable-usage-stats", "--labels", "pd-node=head", env=env, timeout=120)
         for name in ("prefill", "decode"):  # engines take no CPUs from Ray: the pools' nodes offer none to others
             sh("ip", "netns", "exec", hosts.netns(name), ray, "start", "--address", f"{hosts.head_ip}:{gcs_port}",
                "--node-ip-address", hosts.ip(name), "--num-cpus", "0", "--labels", f"pd-node={name}",
@@ -160,7 +172,7 @@ def nodes(gdn_model, tmp_path_factory):
         env["RAY_ADDRESS"] = f"{hosts.head_ip}:{gcs_port}"
         port = free_port()
         ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": IFACE}  # NIXL's bytes over the bridge, not shared memory
-        deploy = log_path.parent / "deploy.yaml"
+        deploy = work / "deploy.yaml"
         deploy.write_text(yaml.safe_dump({
             "model": {"path": str(gdn_model), "name": MODEL},
             "prefill": {"tp": 1, "placement": {"labels": {"pd-node": "prefill"}}, "env": ucx},
@@ -169,26 +181,27 @@ def nodes(gdn_model, tmp_path_factory):
             "transfer": {"verify": "all"},  # every byte that crossed the bridge checked against the prefill side's
             "http": {"port": port},
         }))
-        with open(log_path, "w") as log:
-            driver = subprocess.Popen([sys.executable, "-m", "cluster.launch", str(deploy)], env=env, cwd=ROOT,
-                                      stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
+        # the launcher's clean-up after a node's death waits up to 60 s on Serve for the dead node's replica
+        out = ray_cli(["job", "submit", "--address", jobs, "--working-dir", ".", "--no-wait",
+                       "--runtime-env-json", '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "180"}}',
+                       "--", "python", "-m", "cluster.launch", str(deploy)], env)
+        job_id = re.search(r"raysubmit_[A-Za-z0-9]+", out).group(0)
+        job = {"id": job_id, "address": jobs, "stopped": False}
+        logs = lambda: ray_cli(["job", "logs", "--address", jobs, job_id], env)  # noqa: E731
         t0 = time.monotonic()
-        while "ready in" not in log_path.read_text():
-            assert driver.poll() is None, f"the launcher exited:\n{log_path.read_text()[-4000:]}"
-            assert time.monotonic() - t0 < START_TIMEOUT_S, f"not serving after {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}"
-            time.sleep(2)
-        print(log_path.read_text())
-        yield {"hosts": hosts, "env": env, "url": url, "driver": driver, "log": log_path}
+        while "ready in" not in logs():
+            status = ray_cli(["job", "status", "--address", jobs, job_id], env)
+            assert "RUNNING" in status or "PENDING" in status, f"{status}\n{logs()[-4000:]}"
+            assert time.monotonic() - t0 < START_TIMEOUT_S, f"not serving after {START_TIMEOUT_S} s:\n{logs()[-4000:]}"
+            time.sleep(3)
+        print(f"job {job_id} serving after {time.monotonic() - t0:.0f} s:\n{logs()}")
+        yield {"hosts": hosts, "env": env, "url": f"http://127.0.0.1:{port}", "job": job, "logs": logs}
     finally:
-        if driver is not None and driver.poll() is None:
-            driver.send_signal(signal.SIGTERM)
+        if job_id is not None and not job["stopped"]:
             try:
-                driver.wait(180)
-            except subprocess.TimeoutExpired:
-                driver.kill()
-        if driver is not None:
-            print(log_path.read_text()[-3000:])
+                ray_cli(["job", "stop", "--address", jobs, job_id], env, timeout=240)
+            except Exception as e:  # noqa: BLE001 - the head's daemons are ended below regardless
+                print(f"ray job stop failed: {e}")
         hosts.remove()
         # the head node's daemons and their children, and Ray's client server, whose command line names the head's
         # address but not its temp dir (it outlived an earlier version of this teardown)
@@ -278,3 +291,33 @@ def test_removing_the_decode_node_fails_no_request(nodes):
     assert float(metric(httpx.get(f"{url}/metrics").text, 'pd_degraded{role="prefill"}')) == 1
     prefill = [e for e in idle if e.startswith("prefill")]
     wait_for(lambda: {e: ask_ray(env, FREE_BLOCKS).get(e) for e in prefill} == {e: idle[e] for e in prefill}, 30)
+
+
+def test_ray_job_stop_ends_the_cluster(nodes):
+    """`ray job stop`: the launcher's clean-up runs to its end (after a node's death too), no engine process is left
+    on the nodes that are still up, and the HTTP endpoint is gone with the job."""
+    hosts, env, job = nodes["hosts"], nodes["env"], nodes["job"]
+
+    def engine_processes() -> list[psutil.Process]:
+        found = []
+        for pid in hosts.pids("prefill"):
+            try:
+                p = psutil.Process(pid)
+                if "EngineActor" in " ".join(p.cmdline()) or p.name().startswith("VLLM"):
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    engines = engine_processes()
+    assert engines, "the job's prefill engine should run on the prefill node"
+    t0 = time.monotonic()
+    ray_cli(["job", "stop", "--address", job["address"], job["id"]], env, timeout=240)
+    job["stopped"] = True
+    logs = nodes["logs"]()
+    print(f"ray job stop returned after {time.monotonic() - t0:.0f} s; the launcher's last lines:\n{logs[-1500:]}")
+    assert "stopping engines" in logs and "done" in logs.splitlines()[-1], logs[-2000:]
+    _, alive = psutil.wait_procs(engines, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "engine processes outlived the job"
+    with pytest.raises(httpx.TransportError):  # the job's HTTP front end went with it
+        httpx.get(f"{nodes['url']}/v1/models", timeout=5)

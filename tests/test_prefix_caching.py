@@ -41,7 +41,7 @@ def engine(pd, engine_id: str):
 
 def cached(pd, engine_id: str) -> int:
     """The engine's running total of prompt tokens found in its own prefix cache."""
-    return ray.get(engine(pd, engine_id).transfer_totals.remote())["cached_prompt_tokens"]
+    return ray.get(engine(pd, engine_id).transfer_totals.remote()).cached_prompt_tokens
 
 
 def document(seed: int, n: int = 900) -> list[int]:
@@ -117,7 +117,7 @@ def test_a_decode_side_hit_reads_only_the_blocks_it_lacks(pd, block, first):
     assert {r["cached_tokens"] for r in got["reads"]} == {hit}  # every decode rank skipped the same blocks
     assert sum(r["bytes"] for r in got["reads"]) == sum(r["bytes"] for r in cold["reads"]) - hit // block * per_block
     assert got["prefill_hit"] == 0  # prefill TP 2 does not cache
-    assert after["verified"] - verified["verified"] == 1 and after["verify_failures"] == verified["verify_failures"]
+    assert after.verified - verified.verified == 1 and after.verify_failures == verified.verify_failures
 
 
 def test_a_prompt_cached_whole_on_the_decode_side_reads_nothing(pd, block):

@@ -281,25 +281,15 @@ class EngineLayout:
     def kv_kernel_block_bytes(self) -> int:
         return self.kv_heads_local * self.kv_head_bytes
 
+    SUMMARY = ("tp", "dtype", "ssm_dtype", "block_size", "kernel_block_size", "physical_blocks_per_logical",
+               "page_bytes", "num_regions", "conv_layout", "kv_layout", "conv_rows", "conv_proj_dims", "conv_state_bytes",
+               "ssm_state_bytes", "kv_heads_local", "kv_kernel_block_bytes")
+
     def summary(self) -> dict[str, object]:
-        return {
-            "tp": self.tp,
-            "dtype": self.dtype,
-            "ssm_dtype": self.ssm_dtype,
-            "block_size": self.block_size,
-            "kernel_block_size": self.kernel_block_size,
-            "physical_blocks_per_logical": self.physical_blocks_per_logical,
-            "page_bytes": self.page_bytes,
-            "num_regions": self.num_regions,
-            "conv_layout": self.conv_layout,
-            "kv_layout": self.kv_layout,
-            "conv_rows": self.conv_rows,
-            "conv_proj_dims": list(self.conv_proj_dims),
-            "conv_state_bytes": self.conv_state_bytes,
-            "ssm_state_bytes": self.ssm_state_bytes,
-            "kv_heads_local": self.kv_heads_local,
-            "kv_kernel_block_bytes": self.kv_kernel_block_bytes,
-        }
+        """The layout's fields and derived sizes that `python -m cluster plan` prints."""
+        out = {name: getattr(self, name) for name in self.SUMMARY}
+        out["conv_proj_dims"] = list(self.conv_proj_dims)
+        return out
 
 
 def _ceil_div(a: int, b: int) -> int:

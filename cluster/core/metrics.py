@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -19,14 +21,47 @@ def sample_value(text: str, name: str) -> str | None:
             return line.rsplit(" ", 1)[1]
     return None
 
+@dataclass
+class TransferTotals:
+    """An engine's running totals since it started (`EngineActor.transfer_totals`; the front end sums them over the
+    engines for /metrics): a decode engine's reads - one transfer per request and decode rank (a read that found its
+    whole prompt in the decode engine's own cache moves nothing and is not counted), bytes, descriptors, seconds in
+    NIXL -, its `transfer.verify` outcomes and seconds, and any engine's prompt tokens found in its own prefix cache
+    (a prefill engine: not computed; a decode engine: not read)."""
+
+    transfers: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    verified: int = 0
+    verify_failures: int = 0
+    verify_seconds: float = 0.0
+    cached_prompt_tokens: int = 0
+
+    def __add__(self, other: TransferTotals) -> TransferTotals:
+        return TransferTotals(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
+
+
+# what /metrics exports of the summed TransferTotals, as pd_transfer_<field>
+TRANSFER_COUNTERS = {
+    "transfers": "NIXL transfers completed (one per request and decode rank)",
+    "bytes": "Bytes read over NIXL by decode engines",
+    "descriptors": "NIXL descriptors posted by decode engines",
+    "seconds": "Seconds spent in NIXL transfers (sum over decode ranks)",
+    "verified": "Requests whose transferred bytes matched the prefill side's (transfer.verify)",
+    "verify_failures": "Requests whose transferred bytes differed from the prefill side's (failed before their first "
+                       "token, transfer.verify)",
+}
+
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class ServiceMetrics:
     """One registry per HTTP front end. `cluster_state` is set by the caller just before each scrape:
-    {"pools": {(role, state): count}, "transfers": {"transfers", "bytes", "descriptors", "seconds", "verified",
-    "verify_failures"}, "cached_prompt_tokens": {role: n}, "retried": n, "failed_over": n, "first_from_prefill": n,
+    {"pools": {(role, state): count}, "transfers": TransferTotals summed over the engines, "cached_prompt_tokens":
+    {role: n}, "retried": n, "failed_over": n, "first_from_prefill": n,
     "colocated": {role: n}, "degraded": role serving whole requests or None,
     "scaling": the coordinator's `pools()` (decision counts, each pool's latest signal, the last decisions)}."""
 
@@ -95,31 +130,22 @@ class _ClusterCollector:
             counter = CounterMetricFamily(name, help_)
             counter.add_metric([], float(state.get(key, 0)))
             yield counter
-        colocated = CounterMetricFamily("pd_requests_colocated", "Requests served whole by one engine while no "
-                                        "prefill/decode pair was ready (degraded mode), by that engine's pool",
-                                        labels=["role"])
-        for role in ("prefill", "decode"):
-            colocated.add_metric([role], float(state.get("colocated", {}).get(role, 0)))
-        yield colocated
-        degraded = GaugeMetricFamily("pd_degraded", "1 while requests are served whole by one pool's engines "
-                                     "(no prefill/decode pair ready), by that pool", labels=["role"])
-        for role in ("prefill", "decode"):
-            degraded.add_metric([role], float(state.get("degraded") == role))
-        yield degraded
-        cached = CounterMetricFamily("pd_cached_prompt_tokens", "Prompt tokens an engine found in its own prefix "
-                                     "cache (a prefill engine: not computed; a decode engine: not read), by pool",
-                                     labels=["role"])
-        for role in ("prefill", "decode"):
-            cached.add_metric([role], float(state.get("cached_prompt_tokens", {}).get(role, 0)))
-        yield cached
-        t = state.get("transfers", {})
-        for key, help_ in (("transfers", "NIXL transfers completed (one per request and decode rank)"),
-                           ("bytes", "Bytes read over NIXL by decode engines"),
-                           ("descriptors", "NIXL descriptors posted by decode engines"),
-                           ("seconds", "Seconds spent in NIXL transfers (sum over decode ranks)"),
-                           ("verified", "Requests whose transferred bytes matched the prefill side's (transfer.verify)"),
-                           ("verify_failures", "Requests whose transferred bytes differed from the prefill side's "
-                                               "(failed before their first token, transfer.verify)")):
+        per_pool = (  # (family, name, help, value of a pool)
+            (CounterMetricFamily, "pd_requests_colocated", "Requests served whole by one engine while no prefill/decode "
+             "pair was ready (degraded mode), by that engine's pool", lambda r: state.get("colocated", {}).get(r, 0)),
+            (GaugeMetricFamily, "pd_degraded", "1 while requests are served whole by one pool's engines (no "
+             "prefill/decode pair ready), by that pool", lambda r: state.get("degraded") == r),
+            (CounterMetricFamily, "pd_cached_prompt_tokens", "Prompt tokens an engine found in its own prefix cache (a "
+             "prefill engine: not computed; a decode engine: not read), by pool",
+             lambda r: state.get("cached_prompt_tokens", {}).get(r, 0)),
+        )
+        for family, name, help_, value in per_pool:
+            fam = family(name, help_, labels=["role"])
+            for role in ("prefill", "decode"):
+                fam.add_metric([role], float(value(role)))
+            yield fam
+        t = state.get("transfers") or TransferTotals()
+        for key, help_ in TRANSFER_COUNTERS.items():
             fam = CounterMetricFamily(f"pd_transfer_{key}", help_)
-            fam.add_metric([], float(t.get(key, 0)))
+            fam.add_metric([], float(getattr(t, key)))
             yield fam
