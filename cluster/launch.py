@@ -149,18 +149,18 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
                 fut.result()  # a pool that failed to deploy raises here
                 progress(f"{running[fut]} pool up")
             if pending:
-                engines = ray.get(cluster.core.coordinator.describe.remote())["engines"]
+                engines = ray.get(cluster.coordinator.describe.remote())["engines"]
                 ready = ", ".join(sorted(engines)) or "none"
                 progress(f"  loading engines ({time.monotonic() - t0:.0f} s); registered so far: {ready}")
         cluster.refresh_engines()
-        for info in ray.get(cluster.core.coordinator.pool_events.remote())["joins"]:
+        for info in ray.get(cluster.coordinator.pool_events.remote())["joins"]:
             progress(f"{info['engine_id']} (TP {info['tp']}) joined in {info['total_s']:.0f} s ({_phases(info, 0)})")
-        pairs = ray.get(cluster.core.coordinator.describe.remote())["pairs"]
+        pairs = ray.get(cluster.coordinator.describe.remote())["pairs"]
         progress("negotiated pairs: " + ", ".join(f"{p['prefill']}->{p['decode']}" for p in pairs))
         cluster.timings["engines_s"] = cluster.timings["registered_s"] = time.monotonic() - t0
     except BaseException:
         _stop_pools(cluster, progress)
-        ray.kill(cluster.core.coordinator, no_restart=True)
+        ray.kill(cluster.coordinator, no_restart=True)
         raise
     finally:
         pool_exec.shutdown(wait=False, cancel_futures=True)
@@ -181,7 +181,7 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
     t0 = time.monotonic()
     check_placement(cfg, ray.nodes())
     cluster = _start_coordinator(cfg, progress)
-    coordinator = cluster.core.coordinator
+    coordinator = cluster.coordinator
 
 
     launched = []
@@ -414,7 +414,7 @@ def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Ca
             serve.shutdown()
         except Exception as e:  # noqa: BLE001
             progress(f"could not shut Serve down: {e}")
-    ray.kill(cluster.core.coordinator, no_restart=True)
+    ray.kill(cluster.coordinator, no_restart=True)
 
 
 def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = say, interval_s: float = 2.0) -> None:
@@ -425,7 +425,7 @@ def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = s
     seen = {kind: time.time() for kind in stamp}  # print what happens from now on (by time: the lists are bounded)
     while not stop.wait(interval_s):
         try:
-            events = ray.get(cluster.core.coordinator.pool_events.remote(), timeout=10)
+            events = ray.get(cluster.coordinator.pool_events.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - a restarting coordinator: try again next time
             continue
         for kind, items in events.items():

@@ -83,7 +83,7 @@ class PoolWatch:
         ns = self.cluster.cfg.coordinator.namespace
         while not self._stop.wait(0.25):
             try:
-                engines = ray.get(self.cluster.core.coordinator.describe.remote(), timeout=10)["engines"]
+                engines = ray.get(self.cluster.coordinator.describe.remote(), timeout=10)["engines"]
             except Exception:  # noqa: BLE001 - the cluster is going away
                 continue
             count = {"prefill": 0, "decode": 0}
@@ -113,14 +113,14 @@ def references(cluster) -> dict[str, list[tuple[list[int], int, str]]]:
     ids must equal the model's rule."""
     rng = random.Random(11)
     engine = cluster.engines["decode-0"]
-    refs: dict[str, list[tuple[list[int], int, str]]] = {}
-    for kind, (n, length, max_tokens) in KINDS.items():
-        refs[kind] = []
-        for _ in range(n):
-            prompt = [1] + [rng.randrange(3, 1024) for _ in range(length - 1)]
-            out = ray.get(engine.generate.remote(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True))
-            assert out["token_ids"] == oracle(prompt, max_tokens), "the colocated engine disagrees with the model's rule"
-            refs[kind].append((prompt, max_tokens, out["text"]))
+    asked = [(kind, [1] + [rng.randrange(3, 1024) for _ in range(length - 1)], max_tokens)
+             for kind, (n, length, max_tokens) in KINDS.items() for _ in range(n)]
+    # all at once (the engine batches them); each checked against the rule, so batching cannot hide a wrong answer
+    outs = ray.get([engine.generate.remote(prompt_token_ids=p, max_tokens=m, ignore_eos=True) for _, p, m in asked])
+    refs: dict[str, list[tuple[list[int], int, str]]] = {kind: [] for kind in KINDS}
+    for (kind, prompt, max_tokens), out in zip(asked, outs):
+        assert out["token_ids"] == oracle(prompt, max_tokens), "the colocated engine disagrees with the model's rule"
+        refs[kind].append((prompt, max_tokens, out["text"]))
     return refs
 
 
@@ -174,7 +174,7 @@ async def until(predicate, timeout_s: float, what: str, poll_s: float = 0.5) -> 
 
 
 def events(cluster) -> dict:
-    return ray.get(cluster.core.coordinator.pool_events.remote())
+    return ray.get(cluster.coordinator.pool_events.remote())
 
 
 def served_by(cluster, engine_id: str) -> float | None:
@@ -315,7 +315,7 @@ def _started(pid: int) -> float | None:
 def assert_left_cleanly(cluster, role: str, since: float) -> None:
     """The engine that left: deregistered (no pair names it) and none of its processes alive."""
     leave = next(l for l in events(cluster)["leaves"] if l["role"] == role and l["started"] >= since)
-    desc = ray.get(cluster.core.coordinator.describe.remote())
+    desc = ray.get(cluster.coordinator.describe.remote())
     assert leave["engine_id"] not in desc["engines"]
     assert all(leave["engine_id"] not in (p["prefill"], p["decode"]) for p in desc["pairs"])
     started = cluster.watch.started.get(leave["engine_id"], {})
