@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from actors.engine import ENGINE_PREFIX
 from actors.engine_health import HEALTH_TIMEOUT_S, engine_health
 from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
 from cluster.core.hf_config import model_shape
@@ -19,7 +20,6 @@ from cluster.core.planner import IncompatiblePair
 
 HEALTH_INTERVAL_S = float(os.environ.get("PD_HEALTH_INTERVAL_S", "2"))  # how often the coordinator checks engines
 UNAVAILABLE_RECHECKS, UNAVAILABLE_RECHECK_S = 10, 0.25  # an unreachable engine is asked again for up to 2.5 s
-ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace
 log = logging.getLogger("pd.coordinator")
 
 

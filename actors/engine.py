@@ -1026,6 +1026,36 @@ def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None) -> d
     return env
 
 
+ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How every engine of one pool starts: built once from the deploy config (`cluster.launch.engine_spec`), used by
+    the pools' replicas and by plain-actor clusters alike. `device_options`: what `_device_options` derives per
+    pool (vLLM engine kwargs, extra environment, GPUs, placement)."""
+
+    role: str
+    model_dir: str
+    tp: int
+    served_model: str
+    max_model_len: int
+    dtype: str
+    device: str
+    start_timeout_s: float
+    device_options: dict[str, Any]
+
+    def launch(self, engine_id: str, namespace: str):
+        """Start engine `engine_id` as the named actor the coordinator finds it by; returns (handle, ref to its
+        startup seconds)."""
+        return launch_engine_actor(
+            self.model_dir, self.tp, role=self.role, engine_id=engine_id, served_model=self.served_model,
+            max_model_len=self.max_model_len, dtype=self.dtype, device=self.device,
+            start_timeout_s=self.start_timeout_s, name=f"{ENGINE_PREFIX}{engine_id}", namespace=namespace,
+            **self.device_options,
+        )
+
+
 def launch_engine_actor(
     model_dir: str | Path,
     tp: int = 1,

@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray import serve
 
-from actors.coordinator import ENGINE_PREFIX
-from actors.engine import launch_engine_actor, stop_engine_actors
+from actors.engine import EngineSpec, stop_engine_actors
 from actors.engine_health import engine_health
 
 log = logging.getLogger("ray.serve")
@@ -40,21 +40,29 @@ def pool_app_name(namespace: str, role: str) -> str:
     return f"{namespace}-{role}-pool"
 
 
+@dataclass(frozen=True)
+class PoolSpec:
+    """What every replica of one pool needs (`cluster.launch.pool_spec` builds it from the deploy config): how its
+    engine starts, the coordinator it registers with, how long a leaving engine may drain, and the node labels its
+    engine must run on (the replica runs there too)."""
+
+    engine: EngineSpec
+    coordinator: str
+    namespace: str
+    drain_timeout_s: float
+    labels: dict[str, str] = field(default_factory=dict)
+
+
 class PoolReplica:
-    async def __init__(self, spec: dict[str, Any]) -> None:
+    async def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
-        self.role = spec["role"]
+        self.role = spec.engine.role
         self.engine = None
         self.leaving = False  # set by __del__, which Serve may call while this constructor still awaits
         t0 = time.time()
-        self.coordinator = ray.get_actor(spec["coordinator"], namespace=spec["namespace"])
+        self.coordinator = ray.get_actor(spec.coordinator, namespace=spec.namespace)
         self.engine_id = await self.coordinator.claim_engine_id.remote(self.role)
-        handle, started = launch_engine_actor(
-            spec["model_dir"], spec["tp"], role=self.role, engine_id=self.engine_id, served_model=spec["served_model"],
-            max_model_len=spec["max_model_len"], dtype=spec["dtype"], device=spec["device"],
-            start_timeout_s=spec["start_timeout_s"], name=f"{ENGINE_PREFIX}{self.engine_id}",
-            namespace=spec["namespace"], **spec["device_options"],
-        )
+        handle, started = spec.engine.launch(self.engine_id, spec.namespace)
         self.engine = handle
         try:
             await handle.__ray_ready__.remote()
@@ -71,7 +79,7 @@ class PoolReplica:
                 await asyncio.to_thread(stop_engine_actors, [handle])
             raise
         self.joined = {
-            "engine_id": self.engine_id, "role": self.role, "tp": spec["tp"], "replica_started": t0,
+            "engine_id": self.engine_id, "role": self.role, "tp": spec.engine.tp, "replica_started": t0,
             "registered": t_registered, "total_s": t_registered - t0,
             "phases": {"actor_start_s": t_actor - t0, "engine_load_s": t_loaded - t_actor,
                        "registration_s": t_registered - t_loaded},
@@ -109,7 +117,7 @@ class PoolReplica:
             log.warning("drain %s: coordinator unreachable: %s", self.engine_id, e)
         try:
             await asyncio.wait_for(engine.set_draining.remote(), 30)
-            info.update(await self._wait_idle(engine, self.spec["drain_timeout_s"]))
+            info.update(await self._wait_idle(engine, self.spec.drain_timeout_s))
             info["first_served"] = await asyncio.wait_for(engine.first_served.remote(), 10)
         except Exception as e:  # noqa: BLE001 - dead (holds nothing) or unreachable to the end of the drain
             info["engine_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -162,7 +170,7 @@ def _summary(busy: dict[str, Any]) -> dict[str, int]:
     return {k: (len(v) if isinstance(v, list) else int(v)) for k, v in busy.items()}
 
 
-def pool_deployment(role: str, spec: dict[str, Any], min_replicas: int, max_replicas: int, scaling: dict[str, Any]):
+def pool_deployment(role: str, spec: PoolSpec, min_replicas: int, max_replicas: int, scaling: dict[str, Any]):
     """The Serve deployment of one pool, bound to `spec` (what every replica needs to start its engine).
     min == max: a fixed pool of that size; otherwise Serve autoscaling with the pool's policy."""
     from actors.autoscale import PoolPolicy
@@ -171,7 +179,7 @@ def pool_deployment(role: str, spec: dict[str, Any], min_replicas: int, max_repl
         "name": f"{role}-pool",
         # next to its engine (a pool's placement labels; the replica checks on its own node that the engine's
         # processes are gone)
-        "ray_actor_options": {"num_cpus": 0, **({"label_selector": spec["labels"]} if spec.get("labels") else {})},
+        "ray_actor_options": {"num_cpus": 0, **({"label_selector": dict(spec.labels)} if spec.labels else {})},
         # the controller kills a replica this long after asking it to stop: drain, then engine shutdown (<= 60 s)
         "graceful_shutdown_timeout_s": scaling["drain_timeout_s"] + 90,
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -190,7 +198,7 @@ def pool_deployment(role: str, spec: dict[str, Any], min_replicas: int, max_repl
             "upscale_delay_s": 0, "downscale_delay_s": 0,
             "policy": {"policy_function": PoolPolicy, "policy_kwargs": {
                 "role": role, "min_replicas": min_replicas, "max_replicas": max_replicas, "scaling": scaling,
-                "coordinator": spec["coordinator"], "namespace": spec["namespace"]}},
+                "coordinator": spec.coordinator, "namespace": spec.namespace}},
         }
     else:
         options["num_replicas"] = min_replicas

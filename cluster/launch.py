@@ -94,19 +94,28 @@ def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cl
     return Cluster(cfg, model_dir, coordinator)
 
 
-def pool_spec(cluster: Cluster, role: str) -> dict[str, Any]:
+def engine_spec(cfg: DeployConfig, role: str, model_dir: str | Path):
+    """How every engine of pool `role` starts under `cfg` (the one place the deploy config becomes engine options)."""
+    from actors.engine import EngineSpec
+
+    return EngineSpec(
+        role=role, model_dir=str(model_dir), tp=getattr(cfg, role).tp, served_model=cfg.model.name,
+        max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
+        start_timeout_s=cfg.coordinator.engine_start_timeout_s, device_options=_device_options(cfg, role, model_dir),
+    )
+
+
+def pool_spec(cluster: Cluster, role: str):
     """What each replica of a pool needs to start and register its engine."""
+    from actors.pool import PoolSpec
+
     cfg = cluster.cfg
     pool = getattr(cfg, role)
-    return {
-        "role": role, "model_dir": str(cluster.model_dir), "tp": pool.tp, "served_model": cfg.model.name,
-        "max_model_len": cfg.model.max_model_len, "dtype": cfg.model.dtype, "device": cfg.device,
-        "start_timeout_s": cfg.coordinator.engine_start_timeout_s,
-        "device_options": _device_options(cfg, role, cluster.model_dir),
-        "coordinator": cfg.coordinator.name, "namespace": cfg.coordinator.namespace,
-        "drain_timeout_s": pool.scaling.drain_timeout_s,
-        "labels": dict(pool.placement.labels),  # the replicas run next to their engines
-    }
+    return PoolSpec(
+        engine=engine_spec(cfg, role, cluster.model_dir), coordinator=cfg.coordinator.name,
+        namespace=cfg.coordinator.namespace, drain_timeout_s=pool.scaling.drain_timeout_s,
+        labels=dict(pool.placement.labels),  # the replicas run next to their engines
+    )
 
 
 def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
@@ -175,8 +184,7 @@ def _phases(join: dict[str, Any], digits: int) -> str:
 def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     import ray
 
-    from actors.coordinator import ENGINE_PREFIX
-    from actors.engine import launch_engine_actor, stop_engine_actors
+    from actors.engine import stop_engine_actors
 
     t0 = time.monotonic()
     check_placement(cfg, ray.nodes())
@@ -187,15 +195,10 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
     launched = []
     try:
         for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            spec = engine_spec(cfg, role, cluster.model_dir)
             for i in range(pool.min_replicas):
                 engine_id = f"{role}-{i}"
-                handle, ref = launch_engine_actor(
-                    cluster.model_dir, pool.tp, role=role, engine_id=engine_id, served_model=cfg.model.name,
-                    max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
-                    start_timeout_s=cfg.coordinator.engine_start_timeout_s,
-                    **_device_options(cfg, role, cluster.model_dir),
-                    name=f"{ENGINE_PREFIX}{engine_id}", namespace=cfg.coordinator.namespace,
-                )
+                handle, ref = spec.launch(engine_id, cfg.coordinator.namespace)
                 cluster.engines[engine_id] = handle
                 launched.append((engine_id, pool.tp, ref))
                 progress(f"starting {role} engine {engine_id} (TP {pool.tp}) ...")
@@ -315,16 +318,16 @@ def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) 
     as the pools and `_start_actors` start it (for checks and `plan`-style inspection; starts nothing)."""
     from actors.engine import launch_env, vllm_engine_args
 
-    pool = getattr(cfg, role)
-    opts = _device_options(cfg, role, model_dir)
+    spec = engine_spec(cfg, role, model_dir)
+    opts = spec.device_options
     return {
-        "env": launch_env(pool.tp, opts.get("extra_env"), role),
+        "env": launch_env(spec.tp, opts.get("extra_env"), role),
         "num_gpus": opts.get("num_gpus", 0),
         "label_selector": opts.get("label_selector", {}),
         "resources": opts.get("resources", {}),
-        "vllm_args": vllm_engine_args(model_dir, pool.tp, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype,
+        "vllm_args": vllm_engine_args(spec.model_dir, spec.tp, max_model_len=spec.max_model_len, dtype=spec.dtype,
                                       engine_kwargs=opts.get("engine_kwargs"), role=role, engine_id=engine_id,
-                                      device=cfg.device),
+                                      device=spec.device),
     }
 
 

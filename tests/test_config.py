@@ -136,7 +136,7 @@ def test_placement_and_env_reach_the_engines(tmp_path):
     assert decode["env"]["UCX_TLS"] == "tcp" and decode["env"]["OMP_WAIT_POLICY"] == "ACTIVE"  # the pool's word wins
     assert "UCX_TLS" not in prefill["env"] and prefill["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
     cluster = Cluster(cfg, tmp_path, coordinator=None)
-    assert pool_spec(cluster, "decode")["labels"] == {"pd-node": "decode"} and pool_spec(cluster, "prefill")["labels"] == {}
+    assert pool_spec(cluster, "decode").labels == {"pd-node": "decode"} and pool_spec(cluster, "prefill").labels == {}
 
 
 def test_a_placement_no_node_satisfies_is_refused_naming_the_field():
