@@ -37,7 +37,7 @@ import psutil
 import ray
 import zmq
 
-from actors.engine_health import Health
+from actors.engine_health import Busy, Health
 from cluster.core.metrics import TransferTotals
 from cluster.core.verify import TRANSFER_VERIFY_FAILED, VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
 from cluster.core.wire import FIRST_TOKEN
@@ -872,14 +872,12 @@ class EngineActor:
         """Refuse new prefill/decode requests from now on (what is in flight carries on)."""
         self.draining = True
 
-    async def busy(self) -> dict[str, Any]:
-        """What keeps a draining engine from leaving: requests in prefill or decode here, requests vLLM's front end
-        still tracks, and requests its scheduler still holds ("held": on a prefill engine, prefilled state that no
-        decode engine has read yet)."""
-        held: list[str] = []
+    async def busy(self) -> Busy:
+        """What keeps a draining engine from leaving (see `Busy`)."""
+        held: tuple[str, ...] = ()
         if self.engine is not None:
-            held = list(await self.engine.engine_core.call_utility_async("pd_held_requests"))
-        return {"prefills": self._prefills, "decodes": self._decodes, "unfinished": self.num_unfinished(), "held": held}
+            held = tuple(await self.engine.engine_core.call_utility_async("pd_held_requests"))
+        return Busy(prefills=self._prefills, decodes=self._decodes, unfinished=self.num_unfinished(), held=held)
 
     def first_served(self) -> float | None:
         return self.first_served_at

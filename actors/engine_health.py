@@ -1,4 +1,4 @@
-"""One verdict on an engine actor's health, for everything that asks: the coordinator (its watch, and a router's
+"""What an engine actor says of its state (`Health`, `Busy`), and one verdict on its health for everything that asks: the coordinator (its watch, and a router's
 report of a failed request) and a pool replica (Serve's health check). Both used to decide it themselves, with
 different timeouts.
 
@@ -25,6 +25,26 @@ class Health:
 
     started: bool
     healthy: bool
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What keeps a draining engine from leaving (`EngineActor.busy`): requests in prefill or decode on it, requests
+    vLLM's front end still tracks, and the ids of requests its scheduler still holds (on a prefill engine: prefilled
+    state no decode engine has read yet)."""
+
+    prefills: int = 0
+    decodes: int = 0
+    unfinished: int = 0
+    held: tuple[str, ...] = ()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.prefills or self.decodes or self.unfinished or self.held)
+
+    def counts(self) -> dict[str, int]:
+        """As numbers (held: how many), for logs and the pools' leave events."""
+        return {"prefills": self.prefills, "decodes": self.decodes, "unfinished": self.unfinished, "held": len(self.held)}
 
 
 @dataclass(frozen=True)

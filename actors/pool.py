@@ -138,7 +138,7 @@ class PoolReplica:
         except Exception:  # noqa: BLE001 - bookkeeping only
             pass
 
-    async def _wait_idle(self, engine: Any, timeout_s: float) -> dict[str, Any]:
+    async def _wait_idle(self, engine: Any, timeout_s: float) -> dict[str, Any]:  # engine: an EngineActor handle
         """Wait until the engine holds nothing: no request in prefill or decode, none its scheduler keeps (on a
         prefill engine that includes prefilled state no decode engine has read yet). At the deadline free the
         prefilled state no one read."""
@@ -156,18 +156,14 @@ class PoolReplica:
                 await asyncio.sleep(1)
                 continue
             first = first or busy
-            if not (busy["prefills"] or busy["decodes"] or busy["unfinished"] or busy["held"]):
-                return {"held_at_start": _summary(first), "timed_out": False}
+            if busy.idle:
+                return {"held_at_start": first.counts(), "timed_out": False}
             if time.monotonic() >= deadline:
-                if busy["held"] and self.role == "prefill":  # prefilled state nobody read: let it go
-                    await asyncio.wait_for(engine.release.remote(busy["held"]), 30)
-                log.warning("engine %s still held %s after %.0f s of draining", self.engine_id, _summary(busy), timeout_s)
-                return {"held_at_start": _summary(first), "timed_out": True, "held_at_end": _summary(busy)}
+                if busy.held and self.role == "prefill":  # prefilled state nobody read: let it go
+                    await asyncio.wait_for(engine.release.remote(list(busy.held)), 30)
+                log.warning("engine %s still held %s after %.0f s of draining", self.engine_id, busy.counts(), timeout_s)
+                return {"held_at_start": first.counts(), "timed_out": True, "held_at_end": busy.counts()}
             await asyncio.sleep(0.2)
-
-
-def _summary(busy: dict[str, Any]) -> dict[str, int]:
-    return {k: (len(v) if isinstance(v, list) else int(v)) for k, v in busy.items()}
 
 
 def pool_deployment(role: str, spec: PoolSpec, min_replicas: int, max_replicas: int, scaling: dict[str, Any]):

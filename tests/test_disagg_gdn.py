@@ -352,13 +352,13 @@ def test_a_prefill_engine_is_busy_until_its_prefilled_state_is_read(pd):
     """What a draining prefill engine waits for: after its prefill returned, the engine still holds the request's
     state for the decode engine (its scheduler keeps it); once the decode engine has read it, nothing is held."""
     prefill, decode = pd.engines[("prefill", 1)], pd.engines[("decode", 1)]
-    assert ray.get(prefill.busy.remote()) == {"prefills": 0, "decodes": 0, "unfinished": 0, "held": []}
+    assert ray.get(prefill.busy.remote()).idle
     prompt = prompts()[2]
     params = ray.get(prefill.prefill.remote(prompt, "held-1"))
     held = ray.get(prefill.busy.remote())
-    assert len(held["held"]) == 1 and held["prefills"] == 0, held  # the prefill is done, its state is not read yet
+    assert len(held.held) == 1 and held.prefills == 0 and not held.idle, held  # the prefill is done, its state is not read yet
     assert asyncio.run(decode_stream(decode, prompt, params)) == oracle(prompt)
-    wait_for(lambda: ray.get(prefill.busy.remote())["held"] == [], 10)
+    wait_for(lambda: ray.get(prefill.busy.remote()).held == (), 10)
 
 
 class _LeavesAfterPrefill:
