@@ -1,6 +1,6 @@
-"""What an engine actor says of its state (`Health`, `Busy`), and one verdict on its health for everything that asks: the coordinator (its watch, and a router's
-report of a failed request) and a pool replica (Serve's health check). Both used to decide it themselves, with
-different timeouts.
+"""What an engine actor says of its state (`Health`, `Busy`), and one verdict on its health for everything that
+asks: the coordinator (its watch, and a router's report of a failed request) and a pool replica (Serve's health
+check). Both used to decide it themselves, with different timeouts.
 
     verdict = await engine_health(handle)
     if verdict.gone: ...   # dead, or its vLLM engine failed
