@@ -89,7 +89,7 @@ def _noticed(cluster: Any, victim: str, t_kill: float, old_pid: int | None = Non
                 if ray.get(cluster.coordinator.pid.remote(), timeout=2) != old_pid:
                     ray.get(cluster.coordinator.rebuilt_engines.remote(), timeout=10)
                     return time.perf_counter() - t_kill
-            if victim not in ray.get(cluster.coordinator.ready.remote(role), timeout=2):
+            elif victim not in ray.get(cluster.coordinator.ready.remote(role), timeout=2):
                 return time.perf_counter() - t_kill
         except Exception:  # noqa: BLE001 - a restarting coordinator
             pass

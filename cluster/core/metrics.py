@@ -21,6 +21,7 @@ def sample_value(text: str, name: str) -> str | None:
             return line.rsplit(" ", 1)[1]
     return None
 
+
 @dataclass
 class TransferTotals:
     """An engine's running totals since it started (`EngineActor.transfer_totals`; the front end sums them over the
