@@ -11,8 +11,7 @@ from typing import Any
 
 import ray
 
-from actors.engine import ENGINE_PREFIX
-from actors.engine_health import HEALTH_TIMEOUT_S, engine_health
+from actors.engine_client import ENGINE_PREFIX, HEALTH_TIMEOUT_S, EngineClient
 from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
 from cluster.core.hf_config import model_shape
 from cluster.core.layout import LayoutError, layout_from_report
@@ -28,7 +27,7 @@ class CoordinatorActor:
     def __init__(self, namespace: str | None = None) -> None:
         """`namespace`: where its engines live (their names start with ENGINE_PREFIX); default the job's."""
         self.core = Coordinator()
-        self.handles: dict[str, Any] = {}
+        self.clients: dict[str, EngineClient] = {}  # registered engines
         self.removed: list[dict[str, Any]] = []
         # per engine, what it leaves on its node if killed (EngineActor.leftovers); removed there once it is dead
         self.leftovers: dict[str, dict[str, Any]] = {}
@@ -57,13 +56,13 @@ class CoordinatorActor:
         regs = []
         for a in found:
             try:
-                handle = ray.get_actor(a["name"], namespace=self.namespace)
-                regs.append((await asyncio.wait_for(handle.registration.remote(), HEALTH_TIMEOUT_S), handle))
+                engine = EngineClient.named(a["name"][len(ENGINE_PREFIX):], self.namespace)
+                regs.append((await asyncio.wait_for(engine.registration(), HEALTH_TIMEOUT_S), engine))
             except Exception as e:  # noqa: BLE001 - dead or not started yet (it registers itself when it is)
                 log.warning("rebuild: skipping %s: %s", a["name"], e)
-        for reg, handle in sorted(regs, key=lambda x: x[0]["role"] != "prefill"):
+        for reg, engine in sorted(regs, key=lambda x: x[0]["role"] != "prefill"):
             try:
-                await self._register(reg, handle)
+                await self._register(reg, engine)
                 self.rebuilt.append(reg["engine_id"])
             except Exception as e:  # noqa: BLE001 - an engine that no longer pairs stays out, as at registration
                 log.warning("rebuild: %s refused: %s", reg["engine_id"], e)
@@ -76,13 +75,13 @@ class CoordinatorActor:
         await self._ready()
         return list(self.rebuilt)
 
-    async def register(self, registration: dict[str, Any], handle: Any) -> dict[str, Any]:
-        """`registration`: what EngineActor.registration() returns. Refused with RegistrationError (its message names
+    async def register(self, registration: dict[str, Any], engine: EngineClient) -> dict[str, Any]:
+        """`registration`: what `EngineClient.registration` returns. Refused with RegistrationError (its message names
         the field) when the engine cannot pair with the registered ones; then nothing is registered."""
         await self._ready()
-        return await self._register(registration, handle)
+        return await self._register(registration, engine)
 
-    async def _register(self, registration: dict[str, Any], handle: Any) -> dict[str, Any]:
+    async def _register(self, registration: dict[str, Any], engine: EngineClient) -> dict[str, Any]:
         self._ensure_watch()
         try:
             model = model_shape(registration["hf_config"])
@@ -105,24 +104,24 @@ class CoordinatorActor:
         except (IncompatiblePair, RegistrationError) as e:
             log.warning("refused %s: %s", rec.engine_id, e)
             raise
-        self.handles[rec.engine_id] = handle
+        self.clients[rec.engine_id] = engine
         try:
             by_decode: dict[str, list[tuple[str, str]]] = {}
             for p, d in pairs:  # one call per decode engine, carrying all its new plans
                 by_decode.setdefault(d, []).append((p, self.core.payload(p, d)))
-            results = await asyncio.gather(*(self.handles[d].install_pairs.remote(plans) for d, plans in by_decode.items()),
+            results = await asyncio.gather(*(self.clients[d].install_pairs(plans) for d, plans in by_decode.items()),
                                            return_exceptions=True)
             for d, r in zip(by_decode, results):
                 # a decode engine that left meanwhile (scale-down, death) does not fail this engine's join, nor does
                 # one that died before anyone noticed: confirmed dead, it is taken out of every pair here
-                if not isinstance(r, BaseException) or d not in self.core.engines or d not in self.handles:
+                if not isinstance(r, BaseException) or d not in self.core.engines or d not in self.clients:
                     continue
-                if await self.engine_failed(d) or d not in self.handles:  # dead or unhealthy, or gone meanwhile
+                if await self.engine_failed(d) or d not in self.clients:  # dead or unhealthy, or gone meanwhile
                     continue
                 raise r
         except Exception:
             self.core.deregister(rec.engine_id)
-            self.handles.pop(rec.engine_id, None)
+            self.clients.pop(rec.engine_id, None)
             raise
         # an engine found draining when a restarted coordinator rebuilds its registry, or told to drain while its
         # plans were being pushed, stays out of new requests
@@ -186,26 +185,26 @@ class CoordinatorActor:
             return
         pairs = [k for k in self.core.pairs if engine_id in k]
         self.core.deregister(engine_id)
-        self.handles.pop(engine_id, None)
+        self.clients.pop(engine_id, None)
         self.leftovers.pop(engine_id, None)
         if rec.role == "prefill":  # decode engines forget the departed prefill engine's agents
             await asyncio.gather(
-                *(self.handles[d].remove_pair.remote(engine_id) for _, d in pairs if d in self.handles), return_exceptions=True
+                *(self.clients[d].remove_pair(engine_id) for _, d in pairs if d in self.clients), return_exceptions=True
             )
 
     async def engine_failed(self, engine_id: str) -> bool:
         """A router saw `engine_id` fail a request: check it now and, if it is dead or unhealthy, take it out of
         every pair (returns True). A slow answer is not a death: a busy engine keeps its pairs."""
-        handle = self.handles.get(engine_id)
-        if handle is None:
+        engine = self.clients.get(engine_id)
+        if engine is None:
             return False
         for attempt in range(UNAVAILABLE_RECHECKS + 1):
-            verdict = await engine_health(handle)
+            verdict = await engine.verdict()
             if verdict.state != "unreachable":
                 break
             # right after a SIGKILL Ray says so until it has confirmed the death - ask again shortly rather than drop
             # a router's report (the periodic check may be seconds away)
-            if attempt == UNAVAILABLE_RECHECKS or self.handles.get(engine_id) is not handle:
+            if attempt == UNAVAILABLE_RECHECKS or self.clients.get(engine_id) is not engine:
                 return False
             await asyncio.sleep(UNAVAILABLE_RECHECK_S)
         if not verdict.gone:  # healthy, starting, or slow (a busy engine): not a death
@@ -213,7 +212,7 @@ class CoordinatorActor:
         why = verdict.why
         if verdict.state == "dead":
             self._clean_after(engine_id)
-        if self.handles.get(engine_id) is not handle:  # it left, or re-registered, while we asked
+        if self.clients.get(engine_id) is not engine:  # it left, or re-registered, while we asked
             return False
         log.warning("engine %s is %s: removing it from every pair", engine_id, why)
         self.removed.append({"engine_id": engine_id, "why": why, "time": time.time()})
@@ -251,7 +250,7 @@ class CoordinatorActor:
         """Check every registered engine every HEALTH_INTERVAL_S; the dead leave the registry."""
         while True:
             await asyncio.sleep(HEALTH_INTERVAL_S)
-            await asyncio.gather(*(self.engine_failed(e) for e in list(self.handles)), return_exceptions=True)
+            await asyncio.gather(*(self.engine_failed(e) for e in list(self.clients)), return_exceptions=True)
 
     def _ensure_watch(self) -> None:
         if self._watcher is None or self._watcher.done():
@@ -276,10 +275,10 @@ class CoordinatorActor:
         await self._ready()
         return self.core.routes()
 
-    async def handle(self, engine_id: str) -> Any:
-        """The engine's actor handle, or None once it has left."""
+    async def client(self, engine_id: str) -> EngineClient | None:
+        """The engine's client, or None once it has left."""
         await self._ready()
-        return self.handles.get(engine_id)
+        return self.clients.get(engine_id)
 
     def pair_payload(self, prefill_id: str, decode_id: str) -> str:
         """The pair's negotiated plan as the JSON payload the decode engine installs (`install_pair`)."""
@@ -292,7 +291,3 @@ class CoordinatorActor:
     def negotiation_us(self) -> list[float]:
         return list(self.core.negotiation_us)
 
-
-def engine_actor(engine_id: str, namespace: str) -> Any:
-    """The named actor of engine `engine_id` (ValueError once it has gone)."""
-    return ray.get_actor(f"{ENGINE_PREFIX}{engine_id}", namespace=namespace)

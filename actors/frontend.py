@@ -439,8 +439,8 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
     roles = {k: e["role"] for k, e in desc["engines"].items()}
 
     async def one(engine_id: str) -> tuple[str, TransferTotals]:
-        handle = await router._handle(engine_id, roles[engine_id])
-        return roles[engine_id], await asyncio.wait_for(handle.transfer_totals.remote(), 5)
+        engine = await router.engine(engine_id, roles[engine_id])
+        return roles[engine_id], await asyncio.wait_for(engine.transfer_totals(), 5)
 
     for engine_id, got in zip(roles, await asyncio.gather(*(one(e) for e in roles), return_exceptions=True)):
         if isinstance(got, tuple):

@@ -28,7 +28,7 @@ import ray
 from ray import serve
 
 from actors.engine import EngineSpec, stop_engine_actors
-from actors.engine_health import engine_health
+from actors.engine_client import EngineClient
 
 log = logging.getLogger("ray.serve")
 METRIC_PUSH_INTERVAL_S = 1.0  # replicas push their engine's load to Serve's controller this often (Ray's default 10)
@@ -57,26 +57,26 @@ class PoolReplica:
     async def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
         self.role = spec.engine.role
-        self.engine = None
+        self.engine: EngineClient | None = None
         self.leaving = False  # set by __del__, which Serve may call while this constructor still awaits
         t0 = time.time()
         self.coordinator = ray.get_actor(spec.coordinator, namespace=spec.namespace)
         self.engine_id = await self.coordinator.claim_engine_id.remote(self.role)
-        handle, started = spec.engine.launch(self.engine_id, spec.namespace)
-        self.engine = handle
+        engine, started = spec.engine.launch(self.engine_id, spec.namespace)
+        self.engine = engine
         try:
-            await handle.__ray_ready__.remote()
+            await engine.ready()
             t_actor = time.time()
             await started
             t_loaded = time.time()
             if self.leaving:
                 raise RuntimeError(f"pool replica stopped while engine {self.engine_id} was loading")
-            await handle.register.remote(self.coordinator)
+            await engine.register(self.coordinator)
             t_registered = time.time()
         except BaseException:
             if self.engine is not None:  # else __del__ took it over
                 self.engine = None
-                await asyncio.to_thread(stop_engine_actors, [handle])
+                await asyncio.to_thread(stop_engine_actors, [engine])
             raise
         self.joined = {
             "engine_id": self.engine_id, "role": self.role, "tp": spec.engine.tp, "replica_started": t0,
@@ -92,14 +92,14 @@ class PoolReplica:
         replica is leaving."""
         if self.engine is None:
             return {}
-        return await asyncio.wait_for(self.engine.load.remote(), 5)
+        return (await asyncio.wait_for(self.engine.load(), 5)).metrics()
 
     async def check_health(self) -> None:
         """Fail (Serve then replaces this replica) only when the engine is dead or its vLLM engine failed; a busy
         engine that answers slowly is not dead."""
         if self.engine is None:  # leaving
             return
-        verdict = await engine_health(self.engine)
+        verdict = await self.engine.verdict()
         if verdict.gone:
             raise RuntimeError(f"engine {self.engine_id} is {verdict.why}")
 
@@ -116,9 +116,9 @@ class PoolReplica:
         except Exception as e:  # noqa: BLE001 - a restarting coordinator: the engine refuses new requests anyway
             log.warning("drain %s: coordinator unreachable: %s", self.engine_id, e)
         try:
-            await asyncio.wait_for(engine.set_draining.remote(), 30)
+            await asyncio.wait_for(engine.set_draining(), 30)
             info.update(await self._wait_idle(engine, self.spec.drain_timeout_s))
-            info["first_served"] = await asyncio.wait_for(engine.first_served.remote(), 10)
+            info["first_served"] = await asyncio.wait_for(engine.first_served(), 10)
         except Exception as e:  # noqa: BLE001 - dead (holds nothing) or unreachable to the end of the drain
             info["engine_error"] = f"{type(e).__name__}: {e}"[:300]
         info["drain_s"] = time.time() - t0
@@ -138,7 +138,7 @@ class PoolReplica:
         except Exception:  # noqa: BLE001 - bookkeeping only
             pass
 
-    async def _wait_idle(self, engine: Any, timeout_s: float) -> dict[str, Any]:  # engine: an EngineActor handle
+    async def _wait_idle(self, engine: EngineClient, timeout_s: float) -> dict[str, Any]:
         """Wait until the engine holds nothing: no request in prefill or decode, none its scheduler keeps (on a
         prefill engine that includes prefilled state no decode engine has read yet). At the deadline free the
         prefilled state no one read."""
@@ -146,7 +146,7 @@ class PoolReplica:
         first = None
         while True:
             try:
-                busy = await asyncio.wait_for(engine.busy.remote(), 30)
+                busy = await asyncio.wait_for(engine.busy(), 30)
             except ray.exceptions.ActorDiedError:
                 raise  # a dead engine holds nothing
             except Exception as e:  # noqa: BLE001 - busy or briefly unreachable is not idle: ask again
@@ -160,7 +160,7 @@ class PoolReplica:
                 return {"held_at_start": first.counts(), "timed_out": False}
             if time.monotonic() >= deadline:
                 if busy.held and self.role == "prefill":  # prefilled state nobody read: let it go
-                    await asyncio.wait_for(engine.release.remote(list(busy.held)), 30)
+                    await asyncio.wait_for(engine.release(list(busy.held)), 30)
                 log.warning("engine %s still held %s after %.0f s of draining", self.engine_id, busy.counts(), timeout_s)
                 return {"held_at_start": first.counts(), "timed_out": True, "held_at_end": busy.counts()}
             await asyncio.sleep(0.2)

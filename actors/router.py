@@ -19,12 +19,12 @@
      for vLLM's abort timeout); a request that had not streamed a token yet is retried
      once on a pair without the failed engine, otherwise it ends with a clear error. A dead engine is reported to the
      coordinator, which takes it out of every pair. An engine leaving its pool (scale-down) refuses new requests
-     while it drains, and one that has left has no handle any more: both are failures before the first token, so a
+     while it drains, and one that has left has no client any more: both are failures before the first token, so a
      request that raced the departure is retried on another pair.
   Degraded mode: while no pair is ready - the decode pool is empty, or the prefill pool is - one engine of the other
   pool runs each request whole (a prefill engine decodes, a decode engine prefills), with the same outputs.
   While the coordinator is unreachable (it died and Ray is restarting it) the router keeps serving on the routes the
-  coordinator last gave it, with the engine handles it holds: those pairs' plans are installed in their engines.
+  coordinator last gave it, with the engine clients it holds: those pairs' plans are installed in their engines.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -44,6 +45,7 @@ import uuid
 from collections import Counter
 from typing import Any, AsyncIterator
 
+from actors.engine_client import EngineClient, Prefilled
 from cluster.core.verify import TRANSFER_VERIFY_FAILED
 
 log = logging.getLogger("pd.router")
@@ -106,7 +108,7 @@ class Router:
         self.decode_transport = decode_transport
         self.first_token_from_prefill = first_token_from_prefill
         self.inflight: Counter[str] = Counter()
-        self._handles: dict[str, Any] = {}
+        self._engines: dict[str, EngineClient] = {}
         self._rr = itertools.count()
         self._cleanup: set[asyncio.Task] = set()
         # decode engine id -> this front end's output stream from it (bound to the event loop that opened it)
@@ -151,13 +153,15 @@ class Router:
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - RayActorError, ActorUnavailableError, ...
             raise CoordinatorUnavailable(f"{method}: {_cause(e)}") from None
 
-    async def _handle(self, engine_id: str, phase: str) -> Any:
-        if engine_id not in self._handles:
-            handle = await self._ask("handle", engine_id)
-            if handle is None:  # it left (scale-down, death) after the coordinator listed it: try another pair
+    async def engine(self, engine_id: str, phase: str = "decode") -> EngineClient:
+        """The client of a registered engine (asked of the coordinator once, then kept until the engine fails a
+        request); EngineFailure in `phase` once it has left."""
+        if engine_id not in self._engines:
+            engine = await self._ask("client", engine_id)
+            if engine is None:  # it left (scale-down, death) after the coordinator listed it: try another pair
                 raise EngineFailure(phase, engine_id, "the engine left the cluster")
-            self._handles[engine_id] = handle
-        return self._handles[engine_id]
+            self._engines[engine_id] = engine
+        return self._engines[engine_id]
 
     def _pick(self, candidates: list[str]) -> str:
         if not candidates:
@@ -249,9 +253,9 @@ class Router:
                 (prefer_not if verify else avoid).add(e.engine_id)
 
     def _forget(self, engine_id: str) -> None:
-        """Drop what is cached about an engine that failed a request: its handle, and its channel only if that broke
+        """Drop what is cached about an engine that failed a request: its client, and its channel only if that broke
         (a live channel carries this front end's other requests on the engine)."""
-        self._handles.pop(engine_id, None)
+        self._engines.pop(engine_id, None)
         channel = self._channels.get(engine_id)
         if channel is not None and channel.closed:
             del self._channels[engine_id]
@@ -263,14 +267,14 @@ class Router:
         except Exception as e:  # noqa: BLE001 - the coordinator's own health checks remain
             log.warning("could not report %s to the coordinator: %s", engine_id, e)
 
-    async def _channel(self, engine_id: str, handle: Any) -> "DecodeChannel":
+    async def _channel(self, engine_id: str, engine: EngineClient) -> "DecodeChannel":
         channel = self._channels.get(engine_id)
         # a channel opened under another event loop (a caller that runs each batch under its own asyncio.run) has
         # no reader any more: its outputs would never arrive
         if channel is None or channel.closed or channel.loop is not asyncio.get_running_loop():
             # registered before any await: concurrent first requests to an engine share one channel
             local = self.decode_transport == "auto" and engine_id not in self._unreachable
-            channel = self._channels[engine_id] = DecodeChannel(engine_id, handle, local)
+            channel = self._channels[engine_id] = DecodeChannel(engine_id, engine, local)
         try:
             await channel.opened()
         except Exception as e:
@@ -309,14 +313,14 @@ class Router:
         if not decodes:
             raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
         d_id = pair[1] if pair else self._pick(decodes)
-        prefill, decode = await self._handle(p_id, "prefill"), await self._handle(d_id, "decode")
+        prefill, decode = await self.engine(p_id, "prefill"), await self.engine(d_id, "decode")
 
         first_token = self.first_token_from_prefill and first_token_refused(params) is None
         self.inflight[p_id] += 1
-        ref = prefill.prefill_request.remote(prompt_token_ids, rid, params.prompt_logprobs,
-                                             params if first_token else None, continued)
+        ref = prefill.prefill(prompt_token_ids, rid, prompt_logprobs=params.prompt_logprobs,
+                              first_token=params if first_token else None, continued=continued)
         try:
-            prefilled = await asyncio.wait_for(asyncio.shield(_awaitable(ref)), self.prefill_timeout_s)
+            prefilled: Prefilled = await asyncio.wait_for(asyncio.shield(_awaitable(ref)), self.prefill_timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # client gone, or a wedged engine: stop it
             self._background(self._cancel_prefill(prefill, ref))
             if isinstance(e, asyncio.CancelledError):
@@ -326,7 +330,7 @@ class Router:
             raise EngineFailure("prefill", p_id, e) from None
         finally:
             self.inflight[p_id] -= 1
-        first = prefilled.get("first")
+        first = prefilled.first
         if first is None:
             async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, prefilled,
                                                         p_id, prefill, continued)) as outs:
@@ -335,7 +339,7 @@ class Router:
             return
         # the prefill engine sampled the first token: it goes out now; the decode engine continues from it
         def let_go() -> None:  # no decode engine will read the state the prefill engine holds for it
-            self._background(self._release_prefill(prefill, prefilled["kv_transfer_params"]))
+            self._background(self._release_prefill(prefill, prefilled.remote_request_id))
 
         reason = first.outputs[0].finish_reason if first.outputs else "no output"
         if reason not in ("length", "stop") or not first.outputs[0].token_ids:  # aborted (the engine is stopping)
@@ -346,7 +350,7 @@ class Router:
         if not finished:
             first.outputs[0].finish_reason = first.outputs[0].stop_reason = None
         first.finished = finished
-        first.prompt_logprobs = prefilled.get("prompt_logprobs")
+        first.prompt_logprobs = prefilled.prompt_logprobs
         try:
             yield first
         except BaseException:  # the consumer went away
@@ -359,7 +363,7 @@ class Router:
         rest = continuation_params(params, len(ids))
         original = list(prompt_token_ids)  # what the caller sent, on every output (one copy, not one per output)
         async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids + ids, rest, rid,
-                                                    {**prefilled, "prompt_logprobs": None}, p_id, prefill,
+                                                    dataclasses.replace(prefilled, prompt_logprobs=None), p_id, prefill,
                                                     continued + len(ids))) as outs:
             async for out in outs:
                 out.prompt_token_ids, out.prompt_logprobs = original, None
@@ -380,18 +384,19 @@ class Router:
                         "decode" if role == "prefill" else "prefill", role)
             self.degraded = role
         e_id = self._pick(engines)
-        handle = await self._handle(e_id, "decode")
+        engine = await self.engine(e_id, "decode")
         self.colocated[role] += 1
-        async with contextlib.aclosing(self._decode(e_id, handle, prompt_token_ids, params, rid, None,
+        async with contextlib.aclosing(self._decode(e_id, engine, prompt_token_ids, params, rid, None,
                                                     continued=continued)) as outs:
             async for out in outs:
                 yield out
 
-    async def _decode(self, d_id: str, decode: Any, prompt_token_ids, params, rid, prefilled: dict[str, Any] | None,
-                      p_id: str | None = None, prefill: Any = None, continued: int = 0) -> AsyncIterator[Any]:
+    async def _decode(self, d_id: str, decode: EngineClient, prompt_token_ids, params, rid, prefilled: Prefilled | None,
+                      p_id: str | None = None, prefill: EngineClient | None = None,
+                      continued: int = 0) -> AsyncIterator[Any]:
         """Stream one request's outputs from engine `d_id`: the decode side of a pair, reading the state `prefilled`
         describes from prefill engine `p_id`, or (prefilled None) the whole request on that one engine."""
-        kv_params = prefilled["kv_transfer_params"] if prefilled else None
+        kv_params = prefilled.kv_transfer_params if prefilled else None
         self.inflight[d_id] += 1
         finished = streamed = False
         inbox = None
@@ -399,7 +404,7 @@ class Router:
             channel = await self._channel(d_id, decode)
             inbox = channel.join(rid, delta=_is_delta(params))
             try:
-                await decode.submit_decode.remote(channel.id, rid, prompt_token_ids, params, kv_params, continued)
+                await decode.submit_decode(channel.id, rid, prompt_token_ids, params, kv_params, continued)
             except Exception as e:
                 raise EngineFailure("decode", d_id, e) from None
             while not finished:
@@ -422,8 +427,8 @@ class Router:
                     raise EngineFailure("decode", d_id, "the engine aborted the request (it is shutting down)",
                                         streamed=streamed)
                 finished = bool(out.finished)
-                if not streamed and prefilled and prefilled.get("prompt_logprobs") is not None:
-                    out.prompt_logprobs = prefilled["prompt_logprobs"]
+                if not streamed and prefilled and prefilled.prompt_logprobs is not None:
+                    out.prompt_logprobs = prefilled.prompt_logprobs
                 streamed = True  # whatever reached the caller cannot be taken back: no retry from here on
                 yield out
         except EngineFailure:
@@ -436,11 +441,11 @@ class Router:
                 inbox.leave()
             if not finished:  # the consumer went away, or an error: stop the decode side, free the prefill side
                 try:
-                    decode.abort.remote(rid)
+                    decode.abort(rid)
                 except Exception:  # noqa: BLE001 - the engine may be gone
                     pass
-                if prefill is not None:
-                    self._background(self._release_prefill(prefill, kv_params))
+                if prefill is not None and prefilled is not None:
+                    self._background(self._release_prefill(prefill, prefilled.remote_request_id))
 
     def _background(self, coro) -> None:
         """Run clean-up to completion even though the request's own task is being cancelled."""
@@ -448,15 +453,15 @@ class Router:
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
 
-    async def _release_prefill(self, prefill: Any, params: dict[str, Any]) -> None:
+    async def _release_prefill(self, prefill: EngineClient, remote_request_id: str) -> None:
         """Free the prefill side's blocks of a request whose decode side ended early (a no-op when the decode
         engine already read them)."""
         try:
-            await asyncio.wait_for(prefill.release.remote([params["remote_request_id"]]), 10)
+            await asyncio.wait_for(prefill.release([remote_request_id]), 10)
         except Exception as e:  # noqa: BLE001 - best effort; vLLM's lease expiry remains the fallback
-            log.warning("could not release prefill blocks of %s: %s", params.get("remote_request_id"), e)
+            log.warning("could not release prefill blocks of %s: %s", remote_request_id, e)
 
-    async def _cancel_prefill(self, prefill: Any, ref: Any) -> None:
+    async def _cancel_prefill(self, prefill: EngineClient, ref: Any) -> None:
         """Cancel a prefill nobody waits for; if it finished first, free the blocks it holds for a decode engine."""
         import ray
 
@@ -465,7 +470,7 @@ class Router:
             prefilled = await asyncio.wait_for(ref, 30)
         except Exception:  # noqa: BLE001 - cancelled (the usual case) or failed: nothing is held
             return
-        await self._release_prefill(prefill, prefilled["kv_transfer_params"])
+        await self._release_prefill(prefill, prefilled.remote_request_id)
 
 
 class _Inbox:
@@ -558,8 +563,8 @@ class DecodeChannel:
     its opening; otherwise they are the Ray stream's items. Either way, when the Ray stream breaks (the engine died
     or left) every request on the channel fails."""
 
-    def __init__(self, engine_id: str, handle: Any, local: bool = False):
-        self.engine_id, self.handle = engine_id, handle
+    def __init__(self, engine_id: str, engine: EngineClient, local: bool = False):
+        self.engine_id, self.engine = engine_id, engine
         self.id = f"{engine_id}/{uuid.uuid4().hex[:12]}"
         self.inboxes: dict[str, _Inbox] = {}
         self.closed = False
@@ -609,13 +614,12 @@ class DecodeChannel:
         sock = path = pump = stream = None
         ended = False
         try:
-            if self._local and await _same_node(self.handle):
+            if self._local and await _same_node(self.engine):
                 bound = self._bind()
                 if bound is not None:
                     sock, path = bound
                     pump = asyncio.ensure_future(self._pump(sock))
-            stream = self.handle.decode_channel.options(num_returns="streaming").remote(
-                self.id, f"ipc://{path}" if path else None)
+            stream = self.engine.decode_channel(self.id, f"ipc://{path}" if path else None)
             async for ref in stream:
                 batch = await ref
                 if not self._open.done():
@@ -700,12 +704,12 @@ def _zmq_context() -> Any:
     return zmq.asyncio.Context.instance()
 
 
-async def _same_node(handle: Any) -> bool:
+async def _same_node(engine: EngineClient) -> bool:
     """Whether the engine runs on this process's Ray node (False when that cannot be told: then the Ray stream)."""
     try:
         import ray
 
-        return await asyncio.wait_for(handle.node_id.remote(), COORDINATOR_TIMEOUT_S) == \
+        return await asyncio.wait_for(engine.node_id(), COORDINATOR_TIMEOUT_S) == \
             ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001 - an engine without the call, or gone: the Ray stream decides
         return False

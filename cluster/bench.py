@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -35,7 +36,10 @@ async def _ttft(stream_factory) -> tuple[float, float, int]:
     return first or 0.0, time.perf_counter() - t0, n
 
 
-async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: int, max_tokens: int, concurrency: int = 8) -> dict:
+@contextlib.asynccontextmanager
+async def _pair(model_dir, p_tp: int, d_tp: int, engine_kwargs: dict | None = None):
+    """A coordinator, one prefill and one decode engine, registered, and a router over them: yields (prefill client,
+    decode client, router, the engines' startup seconds); everything stops afterwards."""
     import ray
 
     from actors.coordinator import CoordinatorActor
@@ -44,14 +48,21 @@ async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: in
 
     coord = CoordinatorActor.remote()
     (P, ps), (D, ds) = (
-        launch_engine_actor(model_dir, p_tp, role="prefill", engine_id=f"bench-p{p_tp}"),
-        launch_engine_actor(model_dir, d_tp, role="decode", engine_id=f"bench-d{d_tp}"),
+        launch_engine_actor(model_dir, p_tp, role="prefill", engine_id=f"bench-p{p_tp}", engine_kwargs=engine_kwargs),
+        launch_engine_actor(model_dir, d_tp, role="decode", engine_id=f"bench-d{d_tp}", engine_kwargs=engine_kwargs),
     )
     try:
         startup = (await ps, await ds)
-        await P.register.remote(coord)
-        await D.register.remote(coord)
-        router = Router(coord)
+        await P.register(coord)
+        await D.register(coord)
+        yield P, D, Router(coord), startup
+    finally:
+        stop_engine_actors([P, D])
+        ray.kill(coord)
+
+
+async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: int, max_tokens: int, concurrency: int = 8) -> dict:
+    async with _pair(model_dir, p_tp, d_tp) as (P, D, router, startup):
         rng = random.Random(1)
         sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
         colo, disagg, transfers = [], [], []
@@ -59,10 +70,10 @@ async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: in
         for i in range(reps + 1):  # the first round warms both paths and is not counted
             prompt = [1] + [rng.randrange(3, 1024) for _ in range(prompt_len - 1)]
             c = await _ttft(lambda: _stream(D, prompt, dict(sampling), f"colo-{i}"))
-            await D.transfer_stats.remote()
+            await D.transfer_stats()
             d = await _ttft(lambda: router.generate(prompt, dict(sampling)))
-            stats = await D.transfer_stats.remote()
-            peak = max(peak, sum(await asyncio.gather(P.rss_bytes.remote(), D.rss_bytes.remote())))
+            stats = await D.transfer_stats()
+            peak = max(peak, sum(await asyncio.gather(P.rss_bytes(), D.rss_bytes())))
             if i:
                 colo.append(c)
                 disagg.append(d)
@@ -80,7 +91,7 @@ async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: in
 
         tput_colo = await phase(lambda i, p: _stream(D, p, dict(sampling), f"tput-colo-{i}"))
         tput_disagg = await phase(lambda i, p: router.generate(p, dict(sampling)))
-        await D.transfer_stats.remote()
+        await D.transfer_stats()
         t_ms = [max((s["ms"] for s in st), default=0.0) for st in transfers]
         return {
             "throughput_colocated_tok_s": round(tput_colo, 1),
@@ -102,9 +113,6 @@ async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: in
             "plan_us_per_rank": round(statistics.median(s["plan_us"] for st in transfers for s in st), 1),
             "peak_rss_gib": round(peak / 2**30, 2),
         }
-    finally:
-        stop_engine_actors([P, D])
-        ray.kill(coord)
 
 
 async def _bench_prefix(model_dir, p_tp: int, d_tp: int, prefix_len: int, suffix_len: int, reps: int,
@@ -112,23 +120,7 @@ async def _bench_prefix(model_dir, p_tp: int, d_tp: int, prefix_len: int, suffix
     """Prefix caching in P/D: per round a new shared prefix (a document) with two different suffixes (questions),
     sent one after the other through the router: the first finds nothing cached (a miss), the second finds the
     prefix in both engines' caches (a hit). TTFT, the decode engine's bytes read and each engine's cached tokens."""
-    import ray
-
-    from actors.coordinator import CoordinatorActor
-    from actors.engine import launch_engine_actor, stop_engine_actors
-    from actors.router import Router
-
-    coord = CoordinatorActor.remote()
-    caching = {"enable_prefix_caching": True}
-    (P, ps), (D, ds) = (
-        launch_engine_actor(model_dir, p_tp, role="prefill", engine_id=f"bench-p{p_tp}", engine_kwargs=caching),
-        launch_engine_actor(model_dir, d_tp, role="decode", engine_id=f"bench-d{d_tp}", engine_kwargs=caching),
-    )
-    try:
-        await ps, await ds
-        await P.register.remote(coord)
-        await D.register.remote(coord)
-        router = Router(coord)
+    async with _pair(model_dir, p_tp, d_tp, {"enable_prefix_caching": True}) as (P, D, router, _):
         rng = random.Random(2)
         sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
         words = lambda n: [rng.randrange(3, 1024) for _ in range(n)]  # noqa: E731
@@ -136,14 +128,14 @@ async def _bench_prefix(model_dir, p_tp: int, d_tp: int, prefix_len: int, suffix
         for i in range(reps + 1):  # the first round warms both engines and is not counted
             doc = [1] + words(prefix_len - 1)
             for kind in ("miss", "hit"):
-                cached_p = (await P.transfer_totals.remote()).cached_prompt_tokens
-                await D.transfer_stats.remote()
+                cached_p = (await P.transfer_totals()).cached_prompt_tokens
+                await D.transfer_stats()
                 ttft, _, _ = await _ttft(lambda: router.generate(doc + words(suffix_len), dict(sampling)))
-                reads = [s for s in await D.transfer_stats.remote() if s["ok"]]
+                reads = [s for s in await D.transfer_stats() if s["ok"]]
                 if i:
                     runs[kind].append({
                         "ttft_ms": ttft * 1e3, "bytes": sum(s["bytes"] for s in reads),
-                        "prefill_cached": (await P.transfer_totals.remote()).cached_prompt_tokens - cached_p,
+                        "prefill_cached": (await P.transfer_totals()).cached_prompt_tokens - cached_p,
                         "decode_cached": max((s["cached_tokens"] for s in reads), default=0),
                     })
         med = lambda kind, key: statistics.median(r[key] for r in runs[kind])  # noqa: E731
@@ -156,13 +148,10 @@ async def _bench_prefix(model_dir, p_tp: int, d_tp: int, prefix_len: int, suffix
             "prefill_cached_tokens_hit": int(med("hit", "prefill_cached")),
             "decode_cached_tokens_hit": int(med("hit", "decode_cached")),
         }
-    finally:
-        stop_engine_actors([P, D])
-        ray.kill(coord)
 
 
 async def _stream(engine, prompt, sampling, rid):
-    async for ref in engine.decode.options(num_returns="streaming").remote(prompt, sampling, None, rid):
+    async for ref in engine.decode(prompt, sampling, None, rid):
         yield await ref
 
 

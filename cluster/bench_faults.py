@@ -52,13 +52,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default="results")
 
 
-def kill_engine(handle: Any) -> list[Any]:
+def kill_engine(engine: Any) -> list[Any]:
     """SIGKILL the engine actor's process (on this node); returns its vLLM processes, which exit by themselves (the
     caller waits for them, or kills stragglers). Also what tests/test_faults.py kills engines with."""
     import psutil
     import ray
 
-    pids = ray.get(handle.pids.remote(), timeout=30)
+    pids = ray.get(engine.pids(), timeout=30)
     children = [psutil.Process(p) for p in pids[1:] if psutil.pid_exists(p)]
     os.kill(pids[0], signal.SIGKILL)
     return children
@@ -68,9 +68,9 @@ def _free_blocks(cluster: Any) -> dict[str, int]:
     import ray
 
     out = {}
-    for engine_id, handle in cluster.engines.items():
+    for engine_id, engine in cluster.engines.items():
         try:
-            out[engine_id] = ray.get(handle.free_blocks.remote(), timeout=10)
+            out[engine_id] = ray.get(engine.free_blocks(), timeout=10)
         except Exception:  # noqa: BLE001 - the dead one
             pass
     return out
@@ -131,10 +131,10 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
             t_kill = time.perf_counter()
             os.kill(old_pid, signal.SIGKILL)  # Ray restarts it (max_restarts=-1)
         else:
-            handle = cluster.engines[victim]
-            leftovers = ray.get(handle.leftovers.remote(), timeout=30)
+            engine = cluster.engines[victim]
+            leftovers = ray.get(engine.leftovers(), timeout=30)
             t_kill = time.perf_counter()
-            children = kill_engine(handle)
+            children = kill_engine(engine)
         say(f"  {victim} killed")
         noticed = _noticed(cluster, victim, t_kill, old_pid)
         say(f"  noticed after {noticed:.2f} s" if noticed is not None else f"  not noticed in {NOTICE_TIMEOUT_S:.0f} s")

@@ -22,9 +22,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from cluster.core.config import DeployConfig, DeployError, PoolConfig, load_deploy
+
+if TYPE_CHECKING:
+    from actors.engine_client import EngineClient
 
 
 def say(msg: str) -> None:
@@ -36,22 +39,22 @@ class Cluster:
     cfg: DeployConfig
     model_dir: Path
     coordinator: Any
-    engines: dict[str, Any] = field(default_factory=dict)  # engine id -> handle (pools: as of the last refresh)
+    engines: dict[str, EngineClient] = field(default_factory=dict)  # engine id -> client (pools: as of the last refresh)
     timings: dict[str, float] = field(default_factory=dict)
     url: str | None = None
     pool_apps: list[str] = field(default_factory=list)  # Serve applications of the pools ("serve" mode)
     frontend: Any = None  # the HTTP front end's actor (start_http)
 
-    def refresh_engines(self) -> dict[str, Any]:
-        """The engines registered with the coordinator now (pools grow and shrink): {engine id: handle}."""
+    def refresh_engines(self) -> dict[str, EngineClient]:
+        """The engines registered with the coordinator now (pools grow and shrink): {engine id: client}."""
         import ray
 
-        from actors.coordinator import engine_actor
+        from actors.engine_client import EngineClient
 
         found = {}
         for engine_id in ray.get(self.coordinator.describe.remote())["engines"]:
             try:
-                found[engine_id] = engine_actor(engine_id, self.cfg.coordinator.namespace)
+                found[engine_id] = EngineClient.named(engine_id, self.cfg.coordinator.namespace)
             except ValueError:  # left between the two calls
                 pass
         self.engines = found
@@ -198,8 +201,8 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
             spec = engine_spec(cfg, role, cluster.model_dir)
             for i in range(pool.min_replicas):
                 engine_id = f"{role}-{i}"
-                handle, ref = spec.launch(engine_id, cfg.coordinator.namespace)
-                cluster.engines[engine_id] = handle
+                engine, ref = spec.launch(engine_id, cfg.coordinator.namespace)
+                cluster.engines[engine_id] = engine
                 launched.append((engine_id, pool.tp, ref))
                 progress(f"starting {role} engine {engine_id} (TP {pool.tp}) ...")
         pending = {ref: (engine_id, tp) for engine_id, tp, ref in launched}
@@ -212,7 +215,7 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
                 progress(f"  still loading: {', '.join(e for e, _ in pending.values())} ({time.monotonic() - t0:.0f} s)")
         cluster.timings["engines_s"] = time.monotonic() - t0
         for engine_id in sorted(cluster.engines, key=lambda e: not e.startswith("prefill")):
-            result = ray.get(cluster.engines[engine_id].register.remote(coordinator))
+            result = ray.get(cluster.engines[engine_id].register(coordinator))
             pairs = ", ".join(f"{p}->{d}" for p, d in result["pairs"]) or "none yet"
             progress(f"registered {engine_id}; negotiated pairs: {pairs}")
         cluster.timings["registered_s"] = time.monotonic() - t0

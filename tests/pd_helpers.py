@@ -52,7 +52,7 @@ class PDCluster:
         try:
             self.startup_s = dict(zip(launched, ray.get([ref for _, ref in launched.values()])))
             for key in sorted(self.engines, key=lambda k: k[0] != "prefill"):  # prefill first, then decode
-                ray.get(self.engines[key].register.remote(self.coordinator))
+                ray.get(self.engines[key].register(self.coordinator))
         except BaseException:
             self.stop()
             raise
@@ -69,8 +69,8 @@ class PDCluster:
         pids, ports = [], []
         for h in self.engines.values():
             try:
-                pids += ray.get(h.pids.remote(), timeout=30)
-                ports.append(ray.get(h.side_channel_port.remote(), timeout=30))
+                pids += ray.get(h.pids(), timeout=30)
+                ports.append(ray.get(h.side_channel_port(), timeout=30))
             except Exception:  # noqa: BLE001 - already stopped
                 pass
         stop_engine_actors(list(self.engines.values()))
@@ -96,7 +96,7 @@ async def decode_stream(engine: Any, prompt: list[int], params: dict[str, Any] |
     """A greedy request on a decode engine, straight (no router): with a prefill's transfer parameters the engine
     reads the state from that prefill engine; with None it runs the whole request itself."""
     out: list[int] = []
-    stream = engine.decode.options(num_returns="streaming").remote(
+    stream = engine.decode(
         prompt, {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, params, f"direct-{random.random()}"
     )
     async for ref in stream:
@@ -236,7 +236,7 @@ def unseen_byte_classes(pd: PDCluster, prefill_id: str, decode_key: tuple[str, i
 
     decode = pd.engines[decode_key]
     router = pd.routers["decode"]
-    classes = byte_classes(ray.get(decode.registration.remote()), probe_prompts(kind))
+    classes = byte_classes(ray.get(decode.registration()), probe_prompts(kind))
     clean = {}
     unseen = {}
     for i, (name, (prompt, specs)) in enumerate(classes.items()):
@@ -244,7 +244,7 @@ def unseen_byte_classes(pd: PDCluster, prefill_id: str, decode_key: tuple[str, i
         if key not in clean:
             clean[key] = gather([run_pair(router, prefill_id, pd.engine_id(*decode_key), prompt, max_tokens)])[0]
             assert clean[key] == oracle(prompt, max_tokens, kind), f"probe for {name}: the pair disagrees with the rule"
-        ray.get(decode.corrupt_next_read.remote(specs, i))
+        ray.get(decode.corrupt_next_read(specs, i))
         out = gather([run_pair(router, prefill_id, pd.engine_id(*decode_key), prompt, max_tokens)])[0]
         if name == CONTROL:
             assert out == clean[key], "noise in bytes the model never reads changed the output: the hook is off target"

@@ -78,7 +78,7 @@ class PoolWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        from actors.coordinator import engine_actor
+        from actors.engine_client import EngineClient
 
         ns = self.cluster.cfg.coordinator.namespace
         while not self._stop.wait(0.25):
@@ -91,7 +91,7 @@ class PoolWatch:
                 count[e["role"]] += 1
                 if engine_id not in self.pids:
                     try:
-                        self.pids[engine_id] = ray.get(engine_actor(engine_id, ns).pids.remote(), timeout=10)
+                        self.pids[engine_id] = ray.get(EngineClient.named(engine_id, ns).pids(), timeout=10)
                         self.started[engine_id] = {p: _started(p) for p in self.pids[engine_id]}
                     except Exception:  # noqa: BLE001 - try again next sample
                         pass
@@ -116,7 +116,7 @@ def references(cluster) -> dict[str, list[tuple[list[int], int, str]]]:
     asked = [(kind, [1] + [rng.randrange(3, 1024) for _ in range(length - 1)], max_tokens)
              for kind, (n, length, max_tokens) in KINDS.items() for _ in range(n)]
     # all at once (the engine batches them); each checked against the rule, so batching cannot hide a wrong answer
-    outs = ray.get([engine.generate.remote(prompt_token_ids=p, max_tokens=m, ignore_eos=True) for _, p, m in asked])
+    outs = ray.get([engine.generate(prompt_token_ids=p, max_tokens=m, ignore_eos=True) for _, p, m in asked])
     refs: dict[str, list[tuple[list[int], int, str]]] = {kind: [] for kind in KINDS}
     for (kind, prompt, max_tokens), out in zip(asked, outs):
         assert out["token_ids"] == oracle(prompt, max_tokens), "the colocated engine disagrees with the model's rule"
@@ -178,11 +178,10 @@ def events(cluster) -> dict:
 
 
 def served_by(cluster, engine_id: str) -> float | None:
-    from actors.coordinator import engine_actor
+    from actors.engine_client import EngineClient
 
     try:
-        handle = engine_actor(engine_id, cluster.cfg.coordinator.namespace)
-        return ray.get(handle.first_served.remote(), timeout=10)
+        return ray.get(EngineClient.named(engine_id, cluster.cfg.coordinator.namespace).first_served(), timeout=10)
     except Exception:  # noqa: BLE001 - gone
         return None
 

@@ -55,7 +55,7 @@ def prompt_of(n: int, seed: int) -> list[int]:
 
 
 def layouts(handle) -> list[dict]:
-    return [r["layout"] for r in ray.get(handle.registration.remote())["ranks"]]
+    return [r["layout"] for r in ray.get(handle.registration())["ranks"]]
 
 
 def kernel_block(logical_ids: list[int], pos: int, layout: dict) -> int:
@@ -89,7 +89,7 @@ def kv_crcs(pd, decode_key, p_blocks: list[int], d_blocks: list[int], num_tokens
             p_items.append((0, 0, [kernel_block(p_blocks, pos, p_lay) * p_page + rank * heads * head], [heads * head]))
             d_id = kernel_block(d_blocks, pos, d_layout_for_ids or d_lay)
             d_items.append((rank, 0, [d_id * d_page], [d_page]))
-    p_crc, d_crc = ray.get([prefill.checksums.remote(p_items), decode.checksums.remote(d_items)])
+    p_crc, d_crc = ray.get([prefill.checksums(p_items), decode.checksums(d_items)])
     p_crc, d_crc = [p_crc[i] for i in range(len(p_items))], [d_crc[i] for i in range(len(d_items))]
     assert zlib.crc32(bytes(heads * head)) not in p_crc, "a kernel block of the prompt holds no KV on the prefill side"
     return p_crc, d_crc
@@ -114,12 +114,12 @@ def test_every_kv_byte_lands_at_its_token_position(pd, decode):
     engine; looked up as if the decode engine ran one kernel block per logical block, none of them is there."""
     key = ("decode", 2 if decode == D_TP2 else 1)
     engine = pd.engines[key]
-    ray.get(engine.transfer_stats.remote())
+    ray.get(engine.transfer_stats())
     for n in LENGTHS:
         for first in ("prefill", "decode"):
             prompt = prompt_of(n, 100 * key[1] + n + (first == "decode"))
             gather([run_pair(pd.routers[first], P, decode, prompt)])
-            reads = ray.get(engine.transfer_stats.remote())
+            reads = ray.get(engine.transfer_stats())
             assert len(reads) == key[1] and all(r["ok"] and r["cached_tokens"] == 0 for r in reads), reads
             read = reads[0]
             group = attention_group(layouts(engine)[0])
@@ -140,15 +140,15 @@ def test_prefix_hits_with_different_physical_blocks_per_logical(pd):
     decode, prefill = pd.engines[("decode", 1)], pd.engines[("prefill", 1)]
     group = attention_group(layouts(decode)[0])
     doc = prompt_of(900, 7)
-    ray.get(decode.transfer_stats.remote())
+    ray.get(decode.transfer_stats())
     gather([run_pair(pd.router, P, D_TP1, doc[:700])])
-    (first,) = ray.get(decode.transfer_stats.remote())
-    before = ray.get(prefill.transfer_totals.remote()).cached_prompt_tokens
+    (first,) = ray.get(decode.transfer_stats())
+    before = ray.get(prefill.transfer_totals()).cached_prompt_tokens
     gather([run_pair(pd.router, P, D_TP1, doc[:700] + [5, 6, 7] + doc[700:760])])
-    (second,) = ray.get(decode.transfer_stats.remote())
+    (second,) = ray.get(decode.transfer_stats())
     held = 700 // 256
     assert second["cached_tokens"] == held * 256
-    assert ray.get(prefill.transfer_totals.remote()).cached_prompt_tokens - before == 700 // 128 * 128
+    assert ray.get(prefill.transfer_totals()).cached_prompt_tokens - before == 700 // 128 * 128
     d_blocks = first["local_blocks"][group][:held] + second["local_blocks"][group]
     p_crc, d_crc = kv_crcs(pd, ("decode", 1), second["remote_blocks"][group], d_blocks, second["tokens"])
     assert len(p_crc) == second["tokens"] // KERNEL and p_crc == d_crc

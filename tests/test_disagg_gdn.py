@@ -7,7 +7,6 @@ import asyncio
 import copy
 import re
 import socket
-from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -54,7 +53,7 @@ def test_compute_threads_keep_their_cores(pd):
 
     for (role, tp), engine in pd.engines.items():
         cores: dict[int, set[int]] = {}
-        for pid in ray.get(engine.pids.remote()):
+        for pid in ray.get(engine.pids()):
             try:
                 title = " ".join(psutil.Process(pid).cmdline())
                 m = re.match(r"VLLM::Worker(?:_TP(\d+))?", title)
@@ -83,15 +82,15 @@ def test_prompts_on_block_boundaries(pd, p_tp, d_tp, first):
     in the block mapping reads a stale or a missing block - equal the model's rule, and the decode engine read
     exactly that many tokens."""
     decode = pd.engines[("decode", d_tp)]
-    block = ray.get(decode.registration.remote())["ranks"][0]["layout"]["block_size"]
+    block = ray.get(decode.registration())["ranks"][0]["layout"]["block_size"]
     assert block == 128
     whole = first == "prefill"  # prompts() adds a BOS: a length n gives n + 1 tokens
     cases = prompts(seed=41, lengths=[n - whole for n in (block - 1, block, 2 * block)])
-    ray.get(decode.transfer_stats.remote())  # drain earlier requests
+    ray.get(decode.transfer_stats())  # drain earlier requests
     outs = gather(run_pair(pd.routers[first], f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p) for p in cases)
     for prompt, out in zip(cases, outs):
         assert out == oracle(prompt), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}, first token: {first}"
-    read = sorted({s["tokens"] for s in ray.get(decode.transfer_stats.remote())})
+    read = sorted({s["tokens"] for s in ray.get(decode.transfer_stats())})
     assert read == [block - 1, block, 2 * block], read
 
 
@@ -139,7 +138,7 @@ def test_first_token_from_the_prefill_engine(pd, reference):
                 {tuple(o.prompt_token_ids) for o in outs})
 
     def read_tokens():
-        return sorted({s["tokens"] for s in ray.get(decode.transfer_stats.remote())})
+        return sorted({s["tokens"] for s in ray.get(decode.transfer_stats())})
 
     read_tokens()  # drain earlier requests
     got, want = asyncio.run(once(pd.router, logprobs=3)), asyncio.run(once(pd.routers["decode"], logprobs=3))
@@ -151,7 +150,7 @@ def test_first_token_from_the_prefill_engine(pd, reference):
     first = oracle(prompt)[0]
     for kw, reason in (({"max_tokens": 1}, "length"), ({"stop_token_ids": [first], "ignore_eos": False}, "stop")):
         assert asyncio.run(once(pd.router, **kw))[::2] == ([first], reason), kw
-    assert read_tokens() == [] and ray.get(prefill.pending_sends.remote(wait_s=10)) == []
+    assert read_tokens() == [] and ray.get(prefill.pending_sends(wait_s=10)) == []
 
     seeded = {"temperature": 0.8, "seed": 7}
     assert asyncio.run(once(pd.router, **seeded))[0] == asyncio.run(once(pd.routers["decode"], **seeded))[0]
@@ -189,7 +188,7 @@ def test_text_continues_a_first_token_that_ends_inside_a_character(pd, gdn_model
     assert tokenizer.decode([first]) == "\ufffd"  # a byte that only starts a character: the case under test
 
     async def colocated_text():
-        items = pd.engines[("decode", 1)].decode.options(num_returns="streaming").remote(
+        items = pd.engines[("decode", 1)].decode(
             prompt, {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}, None, "colocated-text")
         return "".join([(await ref)["text"] async for ref in items])
 
@@ -214,10 +213,10 @@ def test_text_continues_a_first_token_that_ends_inside_a_character(pd, gdn_model
 def test_transfer_statistics(pd, reference):
     """Per request and decode rank: bytes, descriptors and milliseconds, from the decode engine."""
     decode = pd.engines[("decode", 2)]
-    ray.get(decode.transfer_stats.remote())  # drain earlier requests
+    ray.get(decode.transfer_stats())  # drain earlier requests
     prompt = prompts(lengths=(300,))[0]
     asyncio.run(run_pair(pd.routers["decode"], "prefill-tp1", "decode-tp2", prompt))
-    stats = ray.get(decode.transfer_stats.remote())
+    stats = ray.get(decode.transfer_stats())
     assert sorted(s["decode_rank"] for s in stats) == [0, 1]
     for s in stats:
         assert s["ok"] and s["tokens"] == len(prompt) - 1 and s["remote_ranks"] == [0]
@@ -236,7 +235,7 @@ def test_the_data_path_reads_by_the_negotiated_layout(pd, reference):
     from actors.router import EngineFailure
 
     engine = pd.engines[("prefill", 1)]
-    reg = ray.get(engine.registration.remote())
+    reg = ray.get(engine.registration())
     long_prompts = prompts(seed=9, lengths=(300, 500))
     expected = [oracle(p) for p in long_prompts]
 
@@ -255,23 +254,23 @@ def test_the_data_path_reads_by_the_negotiated_layout(pd, reference):
         for rank in halved["ranks"]:
             rank["layout"]["kernel_block_size"] //= 2
         with pytest.raises(RegistrationError, match=r"kernel_block_size: prefill has 64, decode has 128; vLLM's CPU"):
-            ray.get(engine.register.remote(pd.coordinator, halved))
+            ray.get(engine.register(pd.coordinator, halved))
         doubled = copy.deepcopy(reg)
         for rank in doubled["ranks"]:
             rank["layout"]["page_bytes"] *= 2
-        ray.get(engine.register.remote(pd.coordinator, doubled))
+        ray.get(engine.register(pd.coordinator, doubled))
         wrong = asyncio.run(answers())
         assert all(w != e for w, e in zip(wrong, expected)), wrong
     finally:
         ray.get(pd.coordinator.deregister.remote("prefill-tp1"))
-        ray.get(engine.register.remote(pd.coordinator, reg))
+        ray.get(engine.register(pd.coordinator, reg))
     assert asyncio.run(answers()) == expected
 
 
 def test_incompatible_dtype_refused_naming_the_field(pd):
     """A decode engine whose cache dtype differs: refused when paired with the first prefill engine, and a prefill
     engine in another dtype is refused by its own pool."""
-    reg = ray.get(pd.engines[("decode", 2)].registration.remote())
+    reg = ray.get(pd.engines[("decode", 2)].registration())
     reg["engine_id"] = "decode-fp16"
     for rank in reg["ranks"]:
         rank["layout"]["dtype"] = "float16"
@@ -291,7 +290,7 @@ def test_engine_of_another_model_refused(pd, ray_local):
     try:
         ray.get(started)
         with pytest.raises(RegistrationError, match=r"model\.state\.conv_projs: prefill-asym .*Proj\(name='v', units=8.*Proj\(name='v', units=4"):
-            ray.get(other.register.remote(pd.coordinator))
+            ray.get(other.register(pd.coordinator))
     finally:
         stop_engine_actor(other)
     assert "prefill-asym" not in ray.get(pd.coordinator.describe.remote())["engines"]
@@ -311,7 +310,7 @@ def test_a_decode_engine_with_another_block_size_is_refused(pd):
         with pytest.raises(RegistrationError, match=r"kernel_block_size: decode-bs256 \(decode\) is incompatible with "
                                                     r"prefill-tp\d \(prefill\): kernel_block_size: prefill has 128, "
                                                     r"decode has 256; vLLM's CPU attention stores V transposed"):
-            ray.get(other.register.remote(pd.coordinator))
+            ray.get(other.register(pd.coordinator))
     finally:
         stop_engine_actor(other)
     assert "decode-bs256" not in ray.get(pd.coordinator.describe.remote())["engines"]
@@ -331,7 +330,7 @@ def test_failed_decode_frees_prefill_blocks(pd):
 
     with pytest.raises(EngineFailure, match="decode failed on engine decode-tp1: .*logprobs"):
         asyncio.run(bad())
-    assert ray.get(prefill.pending_sends.remote()) == []
+    assert ray.get(prefill.pending_sends()) == []
 
 
 def test_failed_prefill_is_a_clear_error(pd):
@@ -344,40 +343,42 @@ def test_failed_prefill_is_a_clear_error(pd):
 
     with pytest.raises(EngineFailure, match=r"prefill failed on engine prefill-tp2: .*(longer than|maximum|max_model_len)"):
         asyncio.run(too_long())
-    assert ray.get(pd.engines[("prefill", 2)].pending_sends.remote(wait_s=0)) == []
-    assert ray.get(pd.engines[("prefill", 2)].health.remote()).healthy
+    assert ray.get(pd.engines[("prefill", 2)].pending_sends(wait_s=0)) == []
+    assert ray.get(pd.engines[("prefill", 2)].health()).healthy
 
 
 def test_a_prefill_engine_is_busy_until_its_prefilled_state_is_read(pd):
     """What a draining prefill engine waits for: after its prefill returned, the engine still holds the request's
     state for the decode engine (its scheduler keeps it); once the decode engine has read it, nothing is held."""
     prefill, decode = pd.engines[("prefill", 1)], pd.engines[("decode", 1)]
-    assert ray.get(prefill.busy.remote()).idle
+    assert ray.get(prefill.busy()).idle
     prompt = prompts()[2]
-    params = ray.get(prefill.prefill.remote(prompt, "held-1"))
-    held = ray.get(prefill.busy.remote())
+    params = ray.get(prefill.prefill(prompt, "held-1")).kv_transfer_params
+    held = ray.get(prefill.busy())
     assert len(held.held) == 1 and held.prefills == 0 and not held.idle, held  # the prefill is done, its state is not read yet
     assert asyncio.run(decode_stream(decode, prompt, params)) == oracle(prompt)
-    wait_for(lambda: ray.get(prefill.busy.remote()).held == (), 10)
+    wait_for(lambda: ray.get(prefill.busy()).held == (), 10)
 
 
 class _LeavesAfterPrefill:
-    """A prefill engine's handle that, right after its first prefill returns, has the coordinator deregister the
+    """A prefill engine's client that, right after its first prefill returns, has the coordinator deregister the
     engine (what a scale-down does): the decode engines forget its agents before the router asks one to read."""
 
-    def __init__(self, handle, engine_id: str, coordinator, departed: list[str]):
-        self._h, self._id, self._coordinator, self._departed = handle, engine_id, coordinator, departed
-        self.prefill_request = SimpleNamespace(remote=self._prefill)
+    def __init__(self, engine, engine_id: str, coordinator, departed: list[str]):
+        self._e, self._id, self._coordinator, self._departed = engine, engine_id, coordinator, departed
 
-    async def _prefill(self, *args):
-        params = await self._h.prefill_request.remote(*args)
+    def prefill(self, *args, **kwargs):
+        return self._prefill(*args, **kwargs)
+
+    async def _prefill(self, *args, **kwargs):
+        prefilled = await self._e.prefill(*args, **kwargs)
         if not self._departed:
             self._departed.append(self._id)
             await self._coordinator.deregister.remote(self._id)
-        return params
+        return prefilled
 
     def __getattr__(self, name):  # release, ...: the real engine
-        return getattr(self._h, name)
+        return getattr(self._e, name)
 
 
 @pytest.mark.parametrize("first", ["decode", "prefill"])
@@ -393,18 +394,18 @@ def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd, first)
     departed: list[str] = []
     for tp in (1, 2):
         engine_id = f"prefill-tp{tp}"
-        router._handles[engine_id] = _LeavesAfterPrefill(pd.engines[("prefill", tp)], engine_id, pd.coordinator, departed)
+        router._engines[engine_id] = _LeavesAfterPrefill(pd.engines[("prefill", tp)], engine_id, pd.coordinator, departed)
     prompt = prompts()[2]
     try:
         out = asyncio.run(run_router(router, prompt))
         assert out == oracle(prompt) and len(departed) == 1
         assert (router.retried, router.failed_over) == ((1, 0) if first == "decode" else (0, 1))
         gone = pd.engines[("prefill", int(departed[0][-1]))]
-        assert ray.get(gone.pending_sends.remote(wait_s=5)) == []  # nothing held for the read that failed
+        assert ray.get(gone.pending_sends(wait_s=5)) == []  # nothing held for the read that failed
         assert departed[0] not in ray.get(pd.coordinator.describe.remote())["engines"]
     finally:
         for engine_id in departed:  # back in the cluster for the next tests
-            ray.get(pd.engines[("prefill", int(engine_id[-1]))].register.remote(pd.coordinator))
+            ray.get(pd.engines[("prefill", int(engine_id[-1]))].register(pd.coordinator))
 
 
 async def run_router(router, prompt, max_tokens: int = 12) -> list[int]:
@@ -426,7 +427,7 @@ def test_a_plan_for_another_decode_layout_is_refused_at_install(pd, reference):
         data = json.loads(payload)
         data["pair"]["decode"][field] = wrong(data["pair"]["decode"][field])
         with pytest.raises(ray.exceptions.RayTaskError, match=rf"decode\.{field} is .*this engine runs"):
-            ray.get(decode.install_pair.remote("prefill-elsewhere", json.dumps(data)))
+            ray.get(decode.install_pair("prefill-elsewhere", json.dumps(data)))
     assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
 
 
@@ -436,14 +437,14 @@ def test_a_renegotiated_pair_lets_go_of_its_nixl_agents(pd, reference):
     re-negotiation before); the next read loads them again."""
     decode = pd.engines[("decode", 2)]
     assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()[:1]) == reference[:1]
-    loaded = ray.get(decode.remote_agents.remote("prefill-tp1"))
+    loaded = ray.get(decode.remote_agents("prefill-tp1"))
     names = sorted({name for rank in loaded for name in rank})
     assert names and all(held for rank in loaded for held in rank.values()), loaded
-    ray.get(decode.install_pair.remote("prefill-tp1", ray.get(pd.coordinator.pair_payload.remote("prefill-tp1", "decode-tp2"))))
-    assert ray.get(decode.remote_agents.remote("prefill-tp1")) == [{}, {}]
-    assert ray.get(decode.nixl_knows.remote(names)) == [[False] * len(names)] * 2
+    ray.get(decode.install_pair("prefill-tp1", ray.get(pd.coordinator.pair_payload.remote("prefill-tp1", "decode-tp2"))))
+    assert ray.get(decode.remote_agents("prefill-tp1")) == [{}, {}]
+    assert ray.get(decode.nixl_knows(names)) == [[False] * len(names)] * 2
     assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
-    assert ray.get(decode.nixl_knows.remote(names)) == [[True] * len(names)] * 2
+    assert ray.get(decode.nixl_knows(names)) == [[True] * len(names)] * 2
 
 
 def test_a_pair_renegotiated_during_its_handshake_drops_that_handshakes_agents(pd, reference):
@@ -453,21 +454,21 @@ def test_a_pair_renegotiated_during_its_handshake_drops_that_handshakes_agents(p
     anew under the current plan. pd_install_pair now changes the plan under vLLM's handshake lock."""
     decode = pd.engines[("decode", 2)]
     payload = ray.get(pd.coordinator.pair_payload.remote("prefill-tp1", "decode-tp2"))
-    ray.get(decode.install_pair.remote("prefill-tp1", payload))  # no agents loaded: the next read handshakes
-    before = ray.get(decode.stale_handshakes.remote())
-    ray.get(decode.set_handshake_delay.remote(3.0))
+    ray.get(decode.install_pair("prefill-tp1", payload))  # no agents loaded: the next read handshakes
+    before = ray.get(decode.stale_handshakes())
+    ray.get(decode.set_handshake_delay(3.0))
 
     async def renegotiated_mid_handshake():
         read = asyncio.ensure_future(run_pair(pd.router, "prefill-tp1", "decode-tp2", prompts()[2]))
         await asyncio.sleep(1.5)  # the read's handshake is under way
-        await decode.install_pair.remote("prefill-tp1", payload)
+        await decode.install_pair("prefill-tp1", payload)
         return await read
 
     try:
         assert asyncio.run(renegotiated_mid_handshake()) == reference[2]
     finally:
-        ray.get(decode.set_handshake_delay.remote(0.0))
-    assert [a - b for a, b in zip(ray.get(decode.stale_handshakes.remote()), before)] == [1, 1]
+        ray.get(decode.set_handshake_delay(0.0))
+    assert [a - b for a, b in zip(ray.get(decode.stale_handshakes()), before)] == [1, 1]
     assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
 
 
@@ -484,15 +485,15 @@ def test_a_read_that_cannot_be_assembled_fails_its_request_not_the_engine(pd, re
     broken = json.loads(good)
     for rank in broken["prefill_ranks"]:
         rank["region_bases"] = []
-    ray.get(decode.install_pair.remote("prefill-tp1", json.dumps(broken)))
+    ray.get(decode.install_pair("prefill-tp1", json.dumps(broken)))
     try:
         with pytest.raises(EngineFailure, match="transfer failed") as failed:
             asyncio.run(run_pair(pd.router, "prefill-tp1", "decode-tp2", prompts()[2]))
         assert not failed.value.streamed
-        assert ray.get(pd.engines[("prefill", 1)].pending_sends.remote(wait_s=10)) == []
+        assert ray.get(pd.engines[("prefill", 1)].pending_sends(wait_s=10)) == []
     finally:
-        ray.get(decode.install_pair.remote("prefill-tp1", good))
-    assert ray.get(decode.health.remote()).healthy
+        ray.get(decode.install_pair("prefill-tp1", good))
+    assert ray.get(decode.health()).healthy
     assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
 
 
@@ -515,49 +516,49 @@ def test_transfer_verify_checks_every_read_and_fails_closed(pd, reference):
             out += o.outputs[0].token_ids
         return out
 
-    ray.get(decode.set_verify.remote("all"))
+    ray.get(decode.set_verify("all"))
     try:
-        ray.get(decode.transfer_stats.remote())
-        before = ray.get(decode.transfer_totals.remote())
+        ray.get(decode.transfer_stats())
+        before = ray.get(decode.transfer_totals())
         assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
-        totals = ray.get(decode.transfer_totals.remote())
+        totals = ray.get(decode.transfer_totals())
         assert totals.verified - before.verified == len(prompts())
         assert totals.verify_failures == before.verify_failures
-        stats = ray.get(decode.transfer_stats.remote())
+        stats = ray.get(decode.transfer_stats())
         assert len(stats) == 2 * len(prompts()) and all(s["verify"] and s["ok"] for s in stats)
-        assert len(ray.get(decode.verify_timings.remote())) == len(prompts())
+        assert len(ray.get(decode.verify_timings())) == len(prompts())
 
-        ray.get(decode.plant_corruption.remote(1, 1))
+        ray.get(decode.plant_corruption(1, 1))
         with pytest.raises(EngineFailure, match=r"verify failed on engine prefill-tp1: transfer verify: pair "
                                                 r"prefill-tp1 -> decode-tp2: region \d+ \(decode rank 1 from prefill rank 0") as failed:
             asyncio.run(once(prompts()[2], retries=0))
         assert not failed.value.streamed
-        assert ray.get(prefill.pending_sends.remote(wait_s=10)) == []
+        assert ray.get(prefill.pending_sends(wait_s=10)) == []
         retried = pd.routers["decode"].retried
-        ray.get(decode.plant_corruption.remote(1, 1))
+        ray.get(decode.plant_corruption(1, 1))
         assert asyncio.run(once(prompts()[2], retries=1)) == reference[2]
         assert pd.routers["decode"].retried == retried + 1
         failed_over = pd.router.failed_over
-        ray.get(decode.plant_corruption.remote(1, 1))
+        ray.get(decode.plant_corruption(1, 1))
         assert asyncio.run(once(prompts()[2], retries=0, router=pd.router)) == reference[2]
         assert pd.router.failed_over == failed_over + 1
-        after = ray.get(decode.transfer_totals.remote())
+        after = ray.get(decode.transfer_totals())
         assert after.verify_failures - totals.verify_failures == 3
         assert after.verified - totals.verified == 2
-        assert ray.get(prefill.pending_sends.remote(wait_s=10)) == []
+        assert ray.get(prefill.pending_sends(wait_s=10)) == []
 
-        ray.get(decode.set_verify.remote(0.5))
-        ray.get(decode.transfer_stats.remote())
+        ray.get(decode.set_verify(0.5))
+        ray.get(decode.transfer_stats())
         many = prompts(seed=13, lengths=[40] * 16)
         assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in many) == [oracle(p) for p in many]
-        stats = ray.get(decode.transfer_stats.remote())
+        stats = ray.get(decode.transfer_stats())
         assert len(stats) == 2 * len(many)
         assert all(s["verify"] == sampled(s["request_id"], 0.5) for s in stats)
         assert 0 < sum(s["verify"] for s in stats) < len(stats)
     finally:
-        ray.get(decode.set_verify.remote("off"))
-        ray.get(decode.plant_corruption.remote(0, 1))
-    assert ray.get(decode.health.remote()).healthy
+        ray.get(decode.set_verify("off"))
+        ray.get(decode.plant_corruption(0, 1))
+    assert ray.get(decode.health()).healthy
 
 
 def _greedy():
@@ -582,7 +583,7 @@ def test_colocated_text_prompts_agree_across_tp_with_sharp_logprobs(pd):
     """A text prompt run whole on decode TP 1 and TP 2 (the tokenizer's BOS first): the same tokens and text, and at
     every step a clear winner (the sharp tiny model)."""
     prompt = "The prefill engine hands its cache blocks to the decode engine, and the decode engine"
-    outs = ray.get([pd.engines[("decode", tp)].generate.remote(prompt=prompt, max_tokens=8, logprobs=2) for tp in (1, 2)])
+    outs = ray.get([pd.engines[("decode", tp)].generate(prompt=prompt, max_tokens=8, logprobs=2) for tp in (1, 2)])
     assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["text"] == outs[1]["text"] and outs[0]["text"]
     assert outs[0]["prompt_token_ids"][0] == 1
     for step in outs[0]["logprobs"]:
@@ -592,7 +593,7 @@ def test_colocated_text_prompts_agree_across_tp_with_sharp_logprobs(pd):
 
 def test_memory_and_processes_are_reported(pd):
     for (role, tp), engine in pd.engines.items():
-        pids, rss = ray.get(engine.pids.remote()), ray.get(engine.rss_bytes.remote())
+        pids, rss = ray.get(engine.pids()), ray.get(engine.rss_bytes())
         print(f"{role} TP {tp}: {len(pids)} processes, RSS {rss / 2**30:.2f} GiB")
         assert len(pids) >= 2 + tp  # actor, EngineCore, one worker per rank
         assert 2**30 < rss < 16 * 2**30

@@ -75,15 +75,15 @@ def test_prompts_on_block_boundaries(pd, p_tp, d_tp, first):
     import ray
 
     decode = pd.engines[("decode", d_tp)]
-    block = ray.get(decode.registration.remote())["ranks"][0]["layout"]["block_size"]
+    block = ray.get(decode.registration())["ranks"][0]["layout"]["block_size"]
     whole = first == "prefill"  # prompts() adds a BOS: a length n gives n + 1 tokens
     lengths = (3, block - 1, block, 2 * block + 39)
     cases = prompts(seed=43, lengths=[n - whole for n in lengths])
-    ray.get(decode.transfer_stats.remote())  # drain earlier requests
+    ray.get(decode.transfer_stats())  # drain earlier requests
     outs = gather(run_pair(pd.routers[first], f"prefill-tp{p_tp}", f"decode-tp{d_tp}", p) for p in cases)
     for prompt, out in zip(cases, outs):
         assert out == oracle(prompt, kind="mamba2"), f"{len(prompt)}-token prompt, P TP {p_tp} -> D TP {d_tp}, first: {first}"
-    read = sorted({s["tokens"] for s in ray.get(decode.transfer_stats.remote())})
+    read = sorted({s["tokens"] for s in ray.get(decode.transfer_stats())})
     assert read == sorted(lengths), read
 
 

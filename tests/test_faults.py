@@ -17,7 +17,7 @@ import psutil
 import pytest
 import ray
 
-from actors.coordinator import ENGINE_PREFIX
+from actors.engine_client import ENGINE_PREFIX
 from actors.engine import free_port, launch_engine_actor, stop_engine_actor
 from cluster.bench_faults import kill_engine as bench_kill_engine
 from cluster.core.config import DeployConfig
@@ -41,7 +41,7 @@ def served(ray_local, gdn_model):
     try:
         start_http(cluster, progress=print)
         # the idle value of every engine's free block count: after each fault the survivors must return to it
-        cluster.idle_free = {e: ray.get(h.free_blocks.remote()) for e, h in cluster.engines.items()}
+        cluster.idle_free = {e: ray.get(h.free_blocks()) for e, h in cluster.engines.items()}
         print(f"idle free blocks: {cluster.idle_free}")
         yield cluster
     finally:
@@ -71,7 +71,7 @@ def complete(url: str, prompt: list[int], max_tokens: int = 8) -> dict:
 def assert_no_leaked_blocks(cluster, timeout_s: float = 10.0) -> None:
     """Every surviving engine's free block count returns to its idle value (nothing held for dead requests)."""
     def free():
-        return {e: ray.get(h.free_blocks.remote()) for e, h in cluster.engines.items() if e in cluster.idle_free}
+        return {e: ray.get(h.free_blocks()) for e, h in cluster.engines.items() if e in cluster.idle_free}
 
     try:
         took = wait_for(lambda: free() == {e: cluster.idle_free[e] for e in free()}, timeout_s)
@@ -96,7 +96,7 @@ def test_decode_dies_mid_stream(served):
         # the first token may come from the prefill engine: the decode engine takes the request right after it
         busy: list[str] = []
         wait_for(lambda: busy.extend(e for e in ("decode-0", "decode-1")
-                                     if ray.get(served.engines[e].num_unfinished.remote()) == 1) or busy, 10)
+                                     if ray.get(served.engines[e].num_unfinished()) == 1) or busy, 10)
         victim = busy[0]
         children = kill_engine(served, victim)
         t0 = time.monotonic()
@@ -114,7 +114,7 @@ def test_decode_dies_mid_stream(served):
     assert "".join(pieces) == want["text"] and tokens == want["logprobs"]["tokens"] and len(tokens) == 200
     metrics = httpx.get(f"{url}/metrics").text
     assert float(metric(metrics, "pd_requests_failed_over_total")) >= 1
-    assert ray.get(prefill.pending_sends.remote(5.0)) == []
+    assert ray.get(prefill.pending_sends(5.0)) == []
     removed = wait_for(lambda: victim not in ray.get(served.coordinator.ready.remote("decode")), 15)
     print(f"coordinator removed {victim} within {removed:.2f} s of the stream's end")
     assert reap(children) == [], "vLLM processes of the killed engine had to be killed"
@@ -127,19 +127,19 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     token, free the prefill blocks, and complete on the other decode engine with the right output."""
     url, prefill = served.url, served.engines["prefill-0"]
     # bring the pool back to two decode engines (a new engine joins: registered, negotiated, then served)
-    handle, ref = launch_engine_actor(gdn_model, 1, role="decode", engine_id="decode-9", served_model=MODEL,
+    engine, ref = launch_engine_actor(gdn_model, 1, role="decode", engine_id="decode-9", served_model=MODEL,
                                       name=f"{ENGINE_PREFIX}decode-9", namespace="pd-test-faults")
     ray.get(ref)
-    ray.get(handle.register.remote(served.coordinator))
-    served.engines["decode-9"] = handle
-    served.idle_free["decode-9"] = ray.get(handle.free_blocks.remote())
+    ray.get(engine.register(served.coordinator))
+    served.engines["decode-9"] = engine
+    served.idle_free["decode-9"] = ray.get(engine.free_blocks())
     decodes = sorted(ray.get(served.coordinator.ready.remote("decode")))
     assert len(decodes) == 2
     prompts = [[1] + [(7 * i + j) % 900 + 3 for j in range(40 + 30 * i)] for i in range(8)]
     want = [complete(url, p)["choices"][0]["text"] for p in prompts]  # both engines healthy: the reference
 
     victim = decodes[0]
-    left = ray.get(served.engines[victim].leftovers.remote())  # what its processes would leave if killed
+    left = ray.get(served.engines[victim].leftovers())  # what its processes would leave if killed
     assert left["shm"] and os.path.isdir(left["tmpdir"])
     children = kill_engine(served, victim)
     t_kill = time.monotonic()
@@ -149,7 +149,7 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     def watch_prefill():
         while not done.is_set():
             now = time.monotonic()
-            for rid in ray.get(prefill.pending_sends.remote(0.0)):
+            for rid in ray.get(prefill.pending_sends(0.0)):
                 seen.setdefault(rid, [now, now])[1] = now
             time.sleep(0.05)
 
@@ -164,7 +164,7 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     assert longest < 5.0
     assert [g["status"] for g in got] == [200] * len(prompts), [g for g in got if g["status"] != 200]
     assert [g["choices"][0]["text"] for g in got] == want
-    held = ray.get(prefill.pending_sends.remote(5.0))
+    held = ray.get(prefill.pending_sends(5.0))
     print(f"after killing {victim}: {len(prompts)} requests completed; prefill holds {held} "
           f"{time.monotonic() - t_kill:.2f} s after the kill")
     assert held == []
@@ -194,11 +194,11 @@ def test_an_engine_joins_while_a_dead_decode_engine_is_still_listed(served, gdn_
                 for engine_id in ("decode-8", "prefill-8")}
     ray.get([ref for _, ref in launched.values()])
     (doomed, _), (joining, _) = launched["decode-8"], launched["prefill-8"]
-    ray.get(doomed.register.remote(served.coordinator))
+    ray.get(doomed.register(served.coordinator))
     served.engines["decode-8"] = doomed
     children = kill_engine(served, "decode-8")
     try:
-        ray.get(joining.register.remote(served.coordinator))
+        ray.get(joining.register(served.coordinator))
         engines = ray.get(served.coordinator.describe.remote())["engines"]
         assert engines["prefill-8"]["state"] == "ready" and "decode-8" not in engines
         assert "decode-8" in [r["engine_id"] for r in ray.get(served.coordinator.removed_engines.remote())]
@@ -275,9 +275,9 @@ def test_with_the_decode_pool_dead_the_prefill_engine_serves_whole_requests(serv
         served.idle_free.pop(e, None)
 
     ray.get(started)
-    ray.get(replacement.register.remote(served.coordinator))
+    ray.get(replacement.register(served.coordinator))
     served.engines["decode-7"] = replacement
-    served.idle_free["decode-7"] = ray.get(replacement.free_blocks.remote())
+    served.idle_free["decode-7"] = ray.get(replacement.free_blocks())
     assert complete(url, prompts[0])["choices"][0]["text"] == want[0]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     assert float(metric(httpx.get(f"{url}/metrics").text, 'pd_degraded{role="prefill"}')) == 0
@@ -295,14 +295,14 @@ def test_prefill_dies_after_prefill_before_the_read(served):
     prompt = [1] + list(range(3, 400))
     sampling = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     want, _ = asyncio.run(run_decode(decode, prompt, sampling, None, "window-ref"))  # colocated reference
-    params = ray.get(prefill.prefill.remote(prompt, "window-1"))
+    params = ray.get(prefill.prefill(prompt, "window-1")).kv_transfer_params
     children = kill_engine(served, "prefill-0")
     t0 = time.monotonic()
     out, err = asyncio.run(asyncio.wait_for(run_decode(decode, prompt, sampling, params, "window-1"), 120))
     took = time.monotonic() - t0
     print(f"decode after the prefill engine died: {'completed ' + str(len(out)) + ' tokens' if err is None else 'failed: ' + str(err)[:200]} in {took:.2f} s")
     assert took < 120 and (err is not None or out == want)  # recomputed locally: the right tokens, not garbage
-    assert ray.get(decode.num_unfinished.remote()) == 0
+    assert ray.get(decode.num_unfinished()) == 0
     assert reap(children) == []
     served.engines.pop("prefill-0")
     assert_no_leaked_blocks(served)
@@ -312,7 +312,7 @@ async def run_decode(decode, prompt, sampling, params, rid):
     """A decode request straight on the engine (what the router does after a prefill); (tokens, error or None)."""
     out, err = [], None
     try:
-        stream = decode.decode.options(num_returns="streaming").remote(prompt, dict(sampling), params, rid)
+        stream = decode.decode(prompt, dict(sampling), params, rid)
         async for ref in stream:
             out += (await ref)["token_ids"]
     except Exception as e:  # noqa: BLE001 - a clear failure is an allowed outcome
@@ -327,7 +327,7 @@ def test_with_the_prefill_pool_dead_decode_engines_serve_whole_requests_then_503
     url = served.url
     (decode_id, decode), = [(e, h) for e, h in served.engines.items() if e.startswith("decode")]
     prompts = [[1] + [(11 * i + j) % 900 + 3 for j in range(30 + 50 * i)] for i in range(4)]
-    want = [ray.get(decode.generate.remote(prompt_token_ids=p, max_tokens=8, ignore_eos=True))["text"] for p in prompts]
+    want = [ray.get(decode.generate(prompt_token_ids=p, max_tokens=8, ignore_eos=True))["text"] for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: complete(url, p), prompts))
     assert [g["status"] for g in got] == [200] * len(prompts), got

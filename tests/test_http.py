@@ -66,7 +66,7 @@ def colocated_items(served, prompt_ids: list[int], sampling: dict) -> list[dict]
     decode = served.engines["decode-0"]
 
     async def run():
-        stream = decode.decode.options(num_returns="streaming").remote(prompt_ids, dict(sampling), None, f"colo-{time.time_ns()}")
+        stream = decode.decode(prompt_ids, dict(sampling), None, f"colo-{time.time_ns()}")
         return [await ref async for ref in stream]
 
     return asyncio.run(run())
@@ -393,7 +393,7 @@ def test_no_capacity_is_503_with_retry_after(served):
 
 def test_client_disconnect_aborts_on_both_engines(served):
     decode, prefill = served.engines["decode-0"], served.engines["prefill-0"]
-    assert ray.get(decode.num_unfinished.remote()) == 0
+    assert ray.get(decode.num_unfinished()) == 0
     body = {"model": MODEL, "prompt": [1] + list(range(3, 400)), "max_tokens": 1500, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
         lines = r.iter_lines()
@@ -401,12 +401,12 @@ def test_client_disconnect_aborts_on_both_engines(served):
         # verified by then; a client leaving during the verification is not what this test is about)
         events = (line for line in lines if line.startswith("data: {"))
         assert next(events) and next(events)
-        assert ray.get(decode.num_unfinished.remote()) == 1  # generating: 1500 tokens would take a minute
+        assert ray.get(decode.num_unfinished()) == 1  # generating: 1500 tokens would take a minute
     # the connection is closed: the front end cancels, the router aborts the decode request and frees the prefill side
-    took = wait_for(lambda: ray.get(decode.num_unfinished.remote()) == 0, 20)
+    took = wait_for(lambda: ray.get(decode.num_unfinished()) == 0, 20)
     print(f"decode request aborted {took:.2f} s after the client disconnected")
-    assert ray.get(prefill.num_unfinished.remote()) == 0
-    assert ray.get(prefill.pending_sends.remote(5.0)) == []
+    assert ray.get(prefill.num_unfinished()) == 0
+    assert ray.get(prefill.pending_sends(5.0)) == []
     metrics = httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert float(metric(metrics, "pd_client_disconnects_total")) >= 1
 

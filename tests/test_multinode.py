@@ -34,7 +34,8 @@ import psutil
 import pytest
 import yaml
 
-from actors.engine import SHM_PREFIXES, free_port
+from actors.engine import free_port
+from actors.engine_procs import SHM_PREFIXES
 from tests.pd_helpers import end_processes_under, metric, oracle, processes_under, wait_for
 
 pytestmark = pytest.mark.engine
@@ -132,11 +133,11 @@ def ask_ray(env: dict[str, str], script: str) -> object:
 
 
 FREE_BLOCKS = f"""
-from actors.coordinator import engine_actor
+from actors.engine_client import EngineClient
 free = {{}}
 for e in ray.get(ray.get_actor("pd-coordinator", namespace="{NAMESPACE}").describe.remote())["engines"]:
     try:
-        free[e] = ray.get(engine_actor(e, "{NAMESPACE}").free_blocks.remote(), timeout=10)
+        free[e] = ray.get(EngineClient.named(e, "{NAMESPACE}").free_blocks(), timeout=10)
     except Exception:  # an engine on a node that is gone, not yet taken out of the registry
         pass
 print(json.dumps(free))
@@ -227,10 +228,10 @@ def test_pools_on_their_own_nodes_with_nixl_over_tcp(nodes):
     interface receives at least the bytes NIXL read), every transfer is verified, and the answers are the model's."""
     hosts, env, url = nodes["hosts"], nodes["env"], nodes["url"]
     where = ask_ray(env, f"""
-from actors.coordinator import engine_actor
+from actors.engine_client import EngineClient
 ips = {{n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}}
 ids = ray.get(ray.get_actor("pd-coordinator", namespace="{NAMESPACE}").describe.remote())["engines"]
-print(json.dumps({{e: ips[ray.get(engine_actor(e, "{NAMESPACE}").node_id.remote())] for e in ids}}))
+print(json.dumps({{e: ips[ray.get(EngineClient.named(e, "{NAMESPACE}").node_id())] for e in ids}}))
 """)
     assert {e.split("-")[0]: ip for e, ip in where.items()} == {"prefill": hosts.ip("prefill"), "decode": hosts.ip("decode")}, where
     nodes["idle_free"] = ask_ray(env, FREE_BLOCKS)

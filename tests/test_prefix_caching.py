@@ -30,7 +30,7 @@ def pd(ray_local, gdn_model):
 
 @pytest.fixture(scope="module")
 def block(pd) -> int:
-    layouts = {r["layout"]["block_size"] for h in pd.engines.values() for r in ray.get(h.registration.remote())["ranks"]}
+    layouts = {r["layout"]["block_size"] for h in pd.engines.values() for r in ray.get(h.registration())["ranks"]}
     assert len(layouts) == 1
     return layouts.pop()
 
@@ -41,7 +41,7 @@ def engine(pd, engine_id: str):
 
 def cached(pd, engine_id: str) -> int:
     """The engine's running total of prompt tokens found in its own prefix cache."""
-    return ray.get(engine(pd, engine_id).transfer_totals.remote()).cached_prompt_tokens
+    return ray.get(engine(pd, engine_id).transfer_totals()).cached_prompt_tokens
 
 
 def document(seed: int, n: int = 900) -> list[int]:
@@ -58,9 +58,9 @@ def request(pd, first: str, prefill: str, decode: str, prompt: list[int]) -> dic
     """One greedy request through a given pair: its output, the prompt tokens each engine found cached, and the decode
     engine's reads (one record per decode rank)."""
     before = {e: cached(pd, e) for e in (prefill, decode)}
-    ray.get(engine(pd, decode).transfer_stats.remote())
+    ray.get(engine(pd, decode).transfer_stats())
     out = gather([run_pair(pd.routers[first], prefill, decode, prompt)])[0]
-    reads = ray.get(engine(pd, decode).transfer_stats.remote())
+    reads = ray.get(engine(pd, decode).transfer_stats())
     assert reads and all(r["ok"] for r in reads)
     return {"out": out, "prefill_hit": cached(pd, prefill) - before[prefill],
             "decode_hit": cached(pd, decode) - before[decode], "reads": reads}
@@ -103,14 +103,14 @@ def test_a_decode_side_hit_reads_only_the_blocks_it_lacks(pd, block, first):
     per_block = sum(r["bytes"] for r in cold["reads"]) - sum(r["bytes"] for r in shorter["reads"])
     assert per_block > 0
     decode = engine(pd, D_CACHED)
-    ray.get(decode.set_verify.remote(1.0))
+    ray.get(decode.set_verify(1.0))
     try:
-        verified = ray.get(decode.transfer_totals.remote())
+        verified = ray.get(decode.transfer_totals())
         prompt = doc[:600] + words(3, n - 600)
         got = request(pd, first, P_PLAIN, D_CACHED, prompt)
-        after = ray.get(decode.transfer_totals.remote())
+        after = ray.get(decode.transfer_totals())
     finally:
-        ray.get(decode.set_verify.remote(0.0))
+        ray.get(decode.set_verify(0.0))
     assert got["out"] == oracle(prompt)
     hit = got["decode_hit"]
     assert hit == 600 // block * block
@@ -130,7 +130,7 @@ def test_a_prompt_cached_whole_on_the_decode_side_reads_nothing(pd, block):
     assert first["out"] == again["out"] == oracle(prompt)
     assert sum(r["bytes"] for r in first["reads"]) > 0
     assert [r["bytes"] for r in again["reads"]] == [0, 0] and again["decode_hit"] == 4 * block
-    assert ray.get(engine(pd, P_PLAIN).pending_sends.remote()) == []
+    assert ray.get(engine(pd, P_PLAIN).pending_sends()) == []
 
 
 @pytest.mark.parametrize("first", ["prefill", "decode"])

@@ -1,5 +1,5 @@
 """How the router ends a request whose decode engine ends it abnormally. Stand-ins for the coordinator and engines
-(speaking the engine actor's calls: prefill_request, decode_channel, submit_decode; outputs are vLLM's own objects)
+(speaking `EngineClient`'s calls: prefill, decode_channel, submit_decode, release, abort; outputs are vLLM's own objects)
 (a mock, for faults too slow or racy to cause for real here): an engine stopped under a request (vLLM's finish_reason
 "abort", what a scale-down past its drain timeout does), a state read that failed ("error"), an engine gone between
 the coordinator's answer and the call. Never a short answer reported as a success; a failure before the first token
@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from actors.engine_client import Prefilled
 from actors.router import EngineFailure, Router
 
 
@@ -23,19 +24,25 @@ def _ready(value):
 
 
 class FakeEngine:
-    """An engine actor's prefill and decode-channel calls: `outputs` are what its decode side produces for any
-    request, one channel item each. Its prefill never samples a first token (no "first"), so every request takes
+    """An `EngineClient`'s prefill and decode-channel calls: `outputs` are what its decode side produces for any
+    request, one channel item each. Its prefill never samples a first token (no `first`), so every request takes
     the decode-first path here."""
 
     def __init__(self, outputs: list[dict]):
         self.outputs, self.released, self.aborted, self.submitted = outputs, [], [], []
         self.channels: dict[str, asyncio.Queue] = {}
-        self.prefill_request = SimpleNamespace(remote=lambda prompt, rid, logprobs, first_token=None, continued=0: _ready(
-            {"kv_transfer_params": {"remote_request_id": rid}, "prompt_logprobs": None}))
-        self.release = SimpleNamespace(remote=lambda ids: _ready(self.released.extend(ids)))
-        self.abort = SimpleNamespace(remote=lambda rid: self.aborted.append(rid))
-        self.decode_channel = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=self._channel))
-        self.submit_decode = SimpleNamespace(remote=self._submit)
+
+    def prefill(self, prompt, rid, *, prompt_logprobs=None, first_token=None, continued=0):
+        return _ready(Prefilled({"remote_request_id": rid}))
+
+    def release(self, ids):
+        return _ready(self.released.extend(ids))
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+    def decode_channel(self, channel_id, address=None):
+        return self._channel(channel_id, address)
 
     async def _channel(self, channel_id, address=None):
         assert address is None, "no node id: the router uses the Ray stream"
@@ -44,7 +51,7 @@ class FakeEngine:
         while True:
             yield _ready([await queue.get()])
 
-    def _submit(self, channel_id, rid, prompt, params, kv_params, continued=0):
+    def submit_decode(self, channel_id, rid, prompt, params, kv_params, continued=0):
         self.submitted.append((list(prompt), params, kv_params))
         async def produce():  # one output per engine step, a step apart (the caller reads each before the next)
             for out in self.outputs:
@@ -69,7 +76,7 @@ class FakeCoordinator:
         self.ready = SimpleNamespace(remote=lambda role: _ready(sorted({p if role == "prefill" else d for p, d in self.pairs})))
         self.routes = SimpleNamespace(remote=lambda: _ready(
             {p: [d for q, d in self.pairs if q == p] for p in sorted({p for p, _ in self.pairs})}))
-        self.handle = SimpleNamespace(remote=lambda e: _ready(self.engines.get(e)))
+        self.client = SimpleNamespace(remote=lambda e: _ready(self.engines.get(e)))
         self.engine_failed = SimpleNamespace(remote=lambda e: _ready(self.reported.append(e)))
 
 

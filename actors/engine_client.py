@@ -1,0 +1,323 @@
+"""The one way to talk to an engine actor: `EngineClient`, and the typed messages that cross to and from it.
+
+Everything outside `actors/engine*.py` - the router, the coordinator, the pools, the HTTP front end, the launcher, the
+benchmarks and the tests - holds an `EngineClient`, never a bare actor handle. Each method starts one call on the
+engine actor and returns what Ray returns for it: an `ObjectRef` (await it in async code, `ray.get` it elsewhere) or,
+for the two output streams, an `ObjectRefGenerator`. What comes back is a dataclass where the project defines the
+shape (`Prefilled`, `Load`, `Busy`, `Health`, `TransferTotals`); vLLM's own types (`SamplingParams`,
+`RequestOutput`) and vLLM's `kv_transfer_params` (a dict vLLM's connector API defines) cross as they are. The
+registration is the coordinator's input format (`cluster.core.coordinator`), a plain dict built from the workers'
+JSON reports.
+
+    client = EngineClient(handle, "decode-1")       # or EngineClient.named("decode-1", namespace)
+    await client.start()                            # the startup seconds
+    verdict = await client.verdict()                # healthy / starting / failed / dead / unreachable / slow
+    prefilled = await prefill_client.prefill(prompt, "req-1")
+    await client.submit_decode(channel_id, "req-1", prompt, params, prefilled.kv_transfer_params)
+
+One health verdict for everyone who asks (the coordinator's watch and a router's report of a failed request, the
+pools' Serve health checks): `EngineClient.verdict`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+if TYPE_CHECKING:
+    from ray import ObjectRef, ObjectRefGenerator
+
+    from cluster.core.metrics import TransferTotals
+
+ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace
+HEALTH_TIMEOUT_S = 10.0  # an engine slower than this to answer its health question is busy, not dead
+
+State = Literal["healthy", "starting", "failed", "dead", "unreachable", "slow"]
+
+
+# ---- messages -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Health:
+    """What an engine actor says of itself (`EngineClient.health`)."""
+
+    started: bool
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """`state`: healthy (started, its EngineCore answers) · starting (its vLLM engine is not built yet) · failed (its
+    vLLM engine failed) · dead (the actor is gone) · unreachable (Ray cannot reach it right now: often a death Ray
+    has not confirmed yet, ask again shortly) · slow (no answer within the timeout: a busy engine, not a dead one).
+    `why` says it in words."""
+
+    state: State
+    why: str
+
+    @property
+    def gone(self) -> bool:
+        """The engine will not serve again: take it out of the cluster."""
+        return self.state in ("failed", "dead")
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What keeps a draining engine from leaving (`EngineClient.busy`): requests in prefill or decode on it, requests
+    vLLM's front end still tracks, and the ids of requests its scheduler still holds (on a prefill engine: prefilled
+    state no decode engine has read yet)."""
+
+    prefills: int = 0
+    decodes: int = 0
+    unfinished: int = 0
+    held: tuple[str, ...] = ()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.prefills or self.decodes or self.unfinished or self.held)
+
+    def counts(self) -> dict[str, int]:
+        """As numbers (held: how many), for logs and the pools' leave events."""
+        return {"prefills": self.prefills, "decodes": self.decodes, "unfinished": self.unfinished, "held": len(self.held)}
+
+
+@dataclass(frozen=True)
+class Load:
+    """An engine's load, the pools' autoscaling signal (`EngineClient.load`): prompt tokens queued or in prefill,
+    sequences being decoded, and the fraction of its KV/state blocks in use (None while it cannot be read: unknown,
+    not empty)."""
+
+    queued_prompt_tokens: float = 0.0
+    running_requests: float = 0.0
+    cache_usage: float | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """As Serve's custom autoscaling metrics (`actors.autoscale.SIGNALS` names); an unreadable usage is left out."""
+        out = {"queued_prompt_tokens": self.queued_prompt_tokens, "running_requests": self.running_requests}
+        if self.cache_usage is not None:
+            out["cache_usage"] = self.cache_usage
+        return out
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefill engine's answer (`EngineClient.prefill`): the transfer parameters a decode engine reads the prompt's
+    state with (vLLM's `kv_transfer_params`), vLLM's prompt logprobs when they were asked for, and - when the
+    prefill engine sampled the first token - that token's vLLM `RequestOutput` (else None)."""
+
+    kv_transfer_params: dict[str, Any]
+    prompt_logprobs: Any = None
+    first: Any = None
+
+    @property
+    def remote_request_id(self) -> str:
+        """The request's id on the prefill engine (what `release` frees)."""
+        return self.kv_transfer_params["remote_request_id"]
+
+
+# ---- the client -----------------------------------------------------------------------------------------------------
+class EngineClient:
+    """One engine actor (`actors.engine.EngineActor`), by handle. Picklable (it crosses Ray inside the coordinator's
+    answers); two clients of one actor are equal."""
+
+    __slots__ = ("handle", "engine_id")
+
+    def __init__(self, handle: Any, engine_id: str | None = None):
+        self.handle, self.engine_id = handle, engine_id
+
+    @classmethod
+    def named(cls, engine_id: str, namespace: str) -> "EngineClient":
+        """The named engine actor of `engine_id` (ValueError once it has gone)."""
+        return cls(ray.get_actor(f"{ENGINE_PREFIX}{engine_id}", namespace=namespace), engine_id)
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.engine_id or self.handle})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EngineClient) and self.handle._actor_id == other.handle._actor_id
+
+    def __hash__(self) -> int:
+        return hash(self.handle._actor_id)
+
+    def __getstate__(self) -> tuple[Any, str | None]:
+        return self.handle, self.engine_id
+
+    def __setstate__(self, state: tuple[Any, str | None]) -> None:
+        self.handle, self.engine_id = state
+
+    # ---- life ------------------------------------------------------------------------------------------------------
+    def start(self, timeout_s: float | None = None) -> "ObjectRef[float]":
+        """Build the vLLM engine (once); the startup seconds."""
+        return self.handle.start.remote(*(() if timeout_s is None else (timeout_s,)))
+
+    def ready(self) -> "ObjectRef[None]":
+        """The actor exists (its constructor ran); says nothing of the vLLM engine."""
+        return self.handle.__ray_ready__.remote()
+
+    def health(self) -> "ObjectRef[Health]":
+        return self.handle.health.remote()
+
+    async def verdict(self, timeout_s: float = HEALTH_TIMEOUT_S) -> Verdict:
+        """The verdict everyone acts on: asks the engine (`health`) and reads Ray's errors."""
+        try:
+            health: Health = await asyncio.wait_for(self.health(), timeout_s)
+        except ActorDiedError as e:
+            return Verdict("dead", f"dead ({type(e).__name__})")
+        except ActorUnavailableError as e:
+            return Verdict("unreachable", f"unreachable ({type(e).__name__})")
+        except asyncio.TimeoutError:
+            return Verdict("slow", f"no answer within {timeout_s:.0f} s")
+        except Exception as e:  # noqa: BLE001 - any other failure to answer: treated like a slow engine, not a death
+            return Verdict("slow", f"could not answer ({type(e).__name__}: {e})")
+        if not health.started:
+            return Verdict("starting", "its vLLM engine is starting")
+        if not health.healthy:
+            return Verdict("failed", "unhealthy (its vLLM engine failed)")
+        return Verdict("healthy", "healthy")
+
+    def shutdown(self, timeout_s: float = 30.0) -> "ObjectRef[list[str]]":
+        """Stop the vLLM engine and its processes; the shared-memory and TMPDIR files removed. Then `kill`."""
+        return self.handle.shutdown.remote(timeout_s)
+
+    def kill(self) -> None:
+        """End the actor (no restart)."""
+        ray.kill(self.handle, no_restart=True)
+
+    def node_id(self) -> "ObjectRef[str]":
+        return self.handle.node_id.remote()
+
+    def pids(self) -> "ObjectRef[list[int]]":
+        """The actor's pid, then every process vLLM started under it."""
+        return self.handle.pids.remote()
+
+    def rss_bytes(self) -> "ObjectRef[int]":
+        return self.handle.rss_bytes.remote()
+
+    def leftovers(self) -> "ObjectRef[dict[str, Any]]":
+        """What the engine would leave on its node if killed (`actors.engine_procs.clean_leftovers` removes it)."""
+        return self.handle.leftovers.remote()
+
+    def side_channel_port(self) -> "ObjectRef[int]":
+        return self.handle.side_channel_port.remote()
+
+    # ---- registration and pairs (the coordinator's side) ----------------------------------------------------------
+    def registration(self) -> "ObjectRef[dict[str, Any]]":
+        """What the coordinator's `register` takes (`cluster.core.coordinator`'s registration format)."""
+        return self.handle.registration.remote()
+
+    def register(self, coordinator: Any, registration: dict[str, Any] | None = None) -> "ObjectRef[dict[str, Any]]":
+        """The engine registers itself with `coordinator` (an edited `registration` tests what it refuses)."""
+        return self.handle.register.remote(coordinator, registration)
+
+    def install_pair(self, prefill_engine_id: str, payload: str) -> "ObjectRef[list[list[int]]]":
+        """Give every decode rank the negotiated plan (JSON payload) for one prefill engine."""
+        return self.handle.install_pair.remote(prefill_engine_id, payload)
+
+    def install_pairs(self, plans: list[tuple[str, str]]) -> "ObjectRef[None]":
+        return self.handle.install_pairs.remote(plans)
+
+    def remove_pair(self, prefill_engine_id: str) -> "ObjectRef[None]":
+        return self.handle.remove_pair.remote(prefill_engine_id)
+
+    def remote_agents(self, prefill_engine_id: str) -> "ObjectRef[list[dict[str, bool]]]":
+        return self.handle.remote_agents.remote(prefill_engine_id)
+
+    def nixl_knows(self, agent_names: list[str]) -> "ObjectRef[list[list[bool]]]":
+        return self.handle.nixl_knows.remote(agent_names)
+
+    def stale_handshakes(self) -> "ObjectRef[list[int]]":
+        return self.handle.stale_handshakes.remote()
+
+    def set_handshake_delay(self, seconds: float) -> "ObjectRef[None]":
+        """Test hook: every decode rank's NIXL handshakes take `seconds` longer."""
+        return self.handle.set_handshake_delay.remote(seconds)
+
+    # ---- serving ---------------------------------------------------------------------------------------------------
+    def generate(self, **request: Any) -> "ObjectRef[dict[str, Any]]":
+        """One request run whole on this engine, to completion (`EngineActor.generate`'s keywords: prompt or
+        prompt_token_ids, max_tokens, temperature, logprobs, ignore_eos, extra_args) - references and warm-ups."""
+        return self.handle.generate.remote(**request)
+
+    def prefill(self, prompt_token_ids: list[int], request_id: str, *, prompt_logprobs: int | None = None,
+                first_token: Any = None, continued: int = 0) -> "ObjectRef[Prefilled]":
+        """Run the prompt with remote decode requested (see `EngineActor.prefill`)."""
+        return self.handle.prefill.remote(prompt_token_ids, request_id, prompt_logprobs, first_token, continued)
+
+    def decode(self, prompt_token_ids: list[int], sampling: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
+               request_id: str) -> "ObjectRefGenerator":
+        """One request's new tokens as a stream of {"token_ids", "text", "finish_reason"[, "logprobs"]} per step,
+        reading the prompt's state with `kv_transfer_params` (None: the engine runs the prompt itself). A plain
+        path for tests and benchmarks; the router uses `decode_channel` + `submit_decode`."""
+        return self.handle.decode.options(num_returns="streaming").remote(
+            prompt_token_ids, sampling, kv_transfer_params, request_id)
+
+    def decode_channel(self, channel_id: str, address: str | None = None) -> "ObjectRefGenerator":
+        """A front end's one stream of batched decode outputs from this engine (see `EngineActor.decode_channel`)."""
+        return self.handle.decode_channel.options(num_returns="streaming").remote(channel_id, address)
+
+    def submit_decode(self, channel_id: str, request_id: str, prompt_token_ids: list[int], params: Any,
+                      kv_transfer_params: dict[str, Any] | None, continued: int = 0) -> "ObjectRef[None]":
+        """Start one request whose outputs go to channel `channel_id` (see `EngineActor.submit_decode`)."""
+        return self.handle.submit_decode.remote(channel_id, request_id, prompt_token_ids, params, kv_transfer_params,
+                                                continued)
+
+    def abort(self, request_id: str) -> "ObjectRef[None]":
+        return self.handle.abort.remote(request_id)
+
+    def release(self, remote_request_ids: list[str]) -> "ObjectRef[list[str]]":
+        """Prefill side: free the state held for requests no decode engine will read; the ids freed."""
+        return self.handle.release.remote(list(remote_request_ids))
+
+    def pending_sends(self, wait_s: float = 5.0) -> "ObjectRef[list[str]]":
+        """Prefill side: requests whose state is still held for a decode engine (after waiting up to `wait_s`)."""
+        return self.handle.pending_sends.remote(wait_s)
+
+    # ---- load and draining ----------------------------------------------------------------------------------------
+    def load(self) -> "ObjectRef[Load]":
+        return self.handle.load.remote()
+
+    def busy(self) -> "ObjectRef[Busy]":
+        return self.handle.busy.remote()
+
+    def set_draining(self) -> "ObjectRef[None]":
+        """Refuse new requests from now on (what is in flight carries on)."""
+        return self.handle.set_draining.remote()
+
+    def first_served(self) -> "ObjectRef[float | None]":
+        """Wall time of the engine's first served request (None: none yet)."""
+        return self.handle.first_served.remote()
+
+    def free_blocks(self) -> "ObjectRef[int]":
+        return self.handle.free_blocks.remote()
+
+    def num_unfinished(self) -> "ObjectRef[int]":
+        return self.handle.num_unfinished.remote()
+
+    # ---- transfers and transfer.verify ------------------------------------------------------------------------------
+    def transfer_stats(self) -> "ObjectRef[list[dict[str, Any]]]":
+        """Per request and decode rank, the NIXL reads' records (the workers' format; drained on read)."""
+        return self.handle.transfer_stats.remote()
+
+    def transfer_totals(self) -> "ObjectRef[TransferTotals]":
+        return self.handle.transfer_totals.remote()
+
+    def set_verify(self, fraction: float | str) -> "ObjectRef[None]":
+        return self.handle.set_verify.remote(fraction)
+
+    def verify_timings(self) -> "ObjectRef[list[float]]":
+        return self.handle.verify_timings.remote()
+
+    def checksums(self, items: list[tuple[int, int, list[int], list[int]]]) -> "ObjectRef[dict[int, int]]":
+        """Prefill side: CRC-32 of byte ranges of this engine's cache (transfer.verify)."""
+        return self.handle.checksums.remote(items)
+
+    def plant_corruption(self, count: int = 1, rank: int = 0) -> "ObjectRef[None]":
+        """Test hook: flip a byte of each of the next `count` verified reads on decode rank `rank`."""
+        return self.handle.plant_corruption.remote(count, rank)
+
+    def corrupt_next_read(self, specs_by_rank: list[list[dict[str, Any]]], seed: int = 0) -> "ObjectRef[None]":
+        """Test hook: overwrite byte ranges of the next read on each rank with noise before its request runs."""
+        return self.handle.corrupt_next_read.remote(specs_by_rank, seed)

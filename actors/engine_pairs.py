@@ -1,0 +1,122 @@
+"""An engine actor's part in pairing (`PairsMixin`): its registration (every TP rank's NIXL agent metadata, region
+bases and run-time layout), the negotiated pair plans the coordinator pushes to a decode engine's workers, NIXL's
+remote agents, and the decode side's transfer records and totals. Each reaches the workers through the project's
+connector (`actors.connector.PDWorkerExtension.pd_call`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from actors.engine_client import EngineClient
+from cluster.core.metrics import TransferTotals
+
+UNREAD_STATS_KEPT = 4096  # per-request transfer records kept until someone reads them (the totals keep counting)
+
+
+class WorkerCallError(RuntimeError):
+    """A connector method failed on a TP rank of the engine (the message names the method, rank and error)."""
+
+
+class PairsMixin:
+    """`EngineActor`'s registration, pair plans and transfer records (needs `engine`, `engine_id`, `role`,
+    `served_model`, `model_dir`, `draining`, `leftovers`, `_require_engine`, `_self_handle`, set by the actor)."""
+
+    engine: Any
+    engine_id: str
+
+    def _init_pairs(self) -> None:
+        self._unread: list[dict[str, Any]] = []
+        # running totals for /metrics: a decode engine's reads, verify outcomes, and every engine's prompt tokens found
+        # in its own prefix cache (a prefill engine's prefills, a decode engine's reads and colocated requests)
+        self._totals = TransferTotals()
+        self._coordinator: Any = None  # the coordinator it registered with (transfer.verify asks it for engines)
+
+    async def registration(self) -> dict[str, Any]:
+        """What the coordinator needs: every rank's NIXL agent metadata, region bases and run-time layout, and what
+        this engine would leave on its node if it were killed (`leftovers`)."""
+        self._require_engine()
+        ranks = await self._pd_call("pd_registration")
+        hf_config = json.loads((Path(self.model_dir) / "config.json").read_text())
+        return {"engine_id": self.engine_id, "role": self.role, "model": self.served_model, "hf_config": hf_config,
+                "ranks": sorted(ranks, key=lambda r: r["tp_rank"]), "draining": self.draining,
+                "leftovers": self.leftovers()}
+
+    async def _pd_call(self, method: str, *args: Any) -> list[Any]:
+        """A connector method on every TP rank (`PDWorkerExtension.pd_call`); the ranks' values, in rank order, or
+        WorkerCallError naming the first rank that failed."""
+        answers = await self.engine.collective_rpc("pd_call", args=(method, *args))
+        for rank, answer in enumerate(answers):
+            if "error" in answer:
+                raise WorkerCallError(f"{method} failed on TP rank {rank} of engine {self.engine_id}: {answer['error']}")
+        return [answer["ok"] for answer in answers]
+
+    async def register(self, coordinator: Any, registration: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Register with the coordinator (which pushes negotiated plans to decode engines). `registration` lets a
+        caller pass an edited registration (tests of what the coordinator does with wrong values)."""
+        self._coordinator = coordinator  # transfer.verify asks it for prefill engines' handles
+        me = EngineClient(self._self_handle(), self.engine_id)
+        return await coordinator.register.remote(registration or await self.registration(), me)
+
+    async def install_pair(self, prefill_engine_id: str, payload: str) -> list[list[int]]:
+        """Give every decode worker the negotiated plan for one prefill engine."""
+        self._require_engine()
+        return await self._pd_call("pd_install_pair", prefill_engine_id, payload)
+
+    async def install_pairs(self, plans: list[tuple[str, str]]) -> None:
+        """`install_pair` for several prefill engines at once: [(prefill engine id, payload)]."""
+        for prefill_engine_id, payload in plans:
+            await self.install_pair(prefill_engine_id, payload)
+
+    async def remote_agents(self, prefill_engine_id: str) -> list[dict[str, bool]]:
+        """Per decode rank, the prefill engine's NIXL agents it has loaded (name -> NIXL still holds it)."""
+        self._require_engine()
+        return await self._pd_call("pd_remote_agents", prefill_engine_id)
+
+    async def set_handshake_delay(self, seconds: float) -> None:
+        """Test hook: every decode rank's NIXL handshakes take `seconds` longer."""
+        self._require_engine()
+        await self._pd_call("pd_set_handshake_delay", seconds)
+
+    async def stale_handshakes(self) -> list[int]:
+        """Per decode rank, handshakes whose agents were dropped because their pair was re-negotiated meanwhile."""
+        self._require_engine()
+        return await self._pd_call("pd_stale_handshakes")
+
+    async def nixl_knows(self, agent_names: list[str]) -> list[list[bool]]:
+        """Per decode rank, whether NIXL still holds each named remote agent."""
+        self._require_engine()
+        return await self._pd_call("pd_nixl_knows", list(agent_names))
+
+    async def remove_pair(self, prefill_engine_id: str) -> None:
+        if self.engine is not None:
+            await self._pd_call("pd_remove_pair", prefill_engine_id)
+
+    async def _collect_stats(self) -> None:
+        """Move the workers' new per-request transfer records here, adding them to the running totals."""
+        fresh = [s for rank in await self._pd_call("pd_stats") for s in rank]
+        self._unread = (self._unread + fresh)[-UNREAD_STATS_KEPT:]
+        for s in fresh:
+            if not s.get("ok", True):  # a failed read moved nothing useful
+                continue
+            self._totals.transfers += bool(s["bytes"])  # a full local prefix hit reads nothing
+            self._totals.bytes += s["bytes"]
+            self._totals.descriptors += s["descriptors"]
+            self._totals.seconds += s["ms"] / 1e3
+            if s["decode_rank"] == 0:  # every rank of a read reports the same local hit
+                self._totals.cached_prompt_tokens += s.get("cached_tokens", 0)
+
+    async def transfer_stats(self) -> list[dict[str, Any]]:
+        """Per request and decode rank: bytes, descriptors, milliseconds of the NIXL reads (drained on read)."""
+        self._require_engine()
+        await self._collect_stats()
+        out, self._unread = self._unread, []
+        return out
+
+    async def transfer_totals(self) -> TransferTotals:
+        """Running totals since start (see `TransferTotals`). Not drained: what /metrics exports as counters."""
+        self._require_engine()
+        await self._collect_stats()
+        return dataclasses.replace(self._totals)

@@ -1,0 +1,318 @@
+"""An engine actor's serving part (`ServingMixin`): prefills with remote decode (`prefill`), decodes that read the
+prompt's state from a prefill engine, and the decode channels that batch a front end's outputs per engine step.
+`decode` (a plain per-request stream) serves tests' and benchmarks' references; the router uses `decode_channel` +
+`submit_decode`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from actors.engine_client import Prefilled
+from cluster.core.metrics import TransferTotals
+from cluster.core.verify import TRANSFER_VERIFY_FAILED
+from cluster.core.wire import FIRST_TOKEN
+
+SOCKET_BACKLOG = 10_000  # decode-channel messages a front end may leave unread before its channel is ended
+log = logging.getLogger("pd.engine")
+
+
+def _ranked(step: dict[int, Any]) -> list[tuple[int, float]]:
+    """One position's logprobs as (token id, logprob) pairs, best first."""
+    return sorted(((tok, lp.logprob) for tok, lp in step.items()), key=lambda x: -x[1])
+
+
+@dataclass(frozen=True)
+class DecodeError:
+    """A decode request that failed inside the engine (as a channel item): the exception's type name and message."""
+
+    kind: str
+    message: str
+
+
+class _Outbox:
+    """One decode channel's pending outputs; `take` waits for at least one and returns all."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, Any]] = []
+        self.ready = asyncio.Event()
+        self.tasks: set[asyncio.Task] = set()
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list[tuple[str, Any]]:
+        await self.ready.wait()
+        await asyncio.sleep(0)  # let the other requests of this engine step add theirs
+        items, self.items = self.items, []
+        self.ready.clear()
+        return items
+
+
+def _push_socket(address: str) -> "zmq.Socket":
+    """The engine's end of a decode channel's local socket (sends never block: see SOCKET_BACKLOG)."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, SOCKET_BACKLOG)
+    sock.connect(address)
+    return sock
+
+
+class ServingMixin:
+    """`EngineActor`'s requests (needs `engine`, `engine_id`, `_totals`, the load counters, transfer.verify's
+    bookkeeping and `release`/`_pd_call`, set by the actor and its other parts)."""
+
+    engine: Any
+    engine_id: str
+    _totals: TransferTotals
+
+    def _init_serving(self) -> None:
+        self._channels: dict[str, _Outbox] = {}  # open decode channels (one per front end)
+
+    async def prefill(self, prompt_token_ids: list[int], request_id: str, prompt_logprobs: int | None = None,
+                      first_token: Any = None, continued: int = 0) -> Prefilled:
+        """Run the prompt with remote decode requested. Returns the transfer parameters for the decode engine, vLLM's
+        prompt logprobs when asked for, and None or the first output (`Prefilled`).
+
+        By default vLLM's prefill side stops one token short for hybrid models (the decode side recomputes the last
+        prompt token and samples the first output token). With `first_token` - the request's own vLLM
+        SamplingParams - the whole prompt is prefilled and its first output token sampled here, with those
+        parameters; `first` is that token's RequestOutput (text, logprobs, finish reason) and the transfer
+        parameters describe the state after the whole prompt: the decode engine continues from prompt + that token.
+        `continued`: the prompt's last tokens are output the client already has (a failover's continuation); the
+        first token's text continues theirs (`_continuation_detokenizer`).
+
+        Prompt logprobs need the logits of the whole prompt, which the transfer request does not return (vLLM's
+        prefill side refuses them with remote decode), so they come from a second, local request over the same
+        prompt run alongside."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._require_engine()
+        self._refuse_if_draining()
+        transfer = {"do_remote_decode": True, "do_remote_prefill": False}
+        if first_token is None:
+            params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": transfer})
+        else:
+            params = first_token.clone()
+            params.n, params.max_tokens, params.min_tokens = 1, 1, min(1, params.min_tokens or 0)
+            params.prompt_logprobs, params.output_kind = None, RequestOutputKind.FINAL_ONLY
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": {**transfer, FIRST_TOKEN: True}}
+        self._prefills += 1
+        self._prefill_tokens += len(prompt_token_ids)
+        try:
+            runs = [self._last_output(prompt_token_ids, params, request_id)]
+            if prompt_logprobs is not None:
+                scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs)
+                runs.append(self._last_output(prompt_token_ids, scoring, f"{request_id}-prompt-logprobs"))
+            final, *scored = await asyncio.gather(*runs, return_exceptions=True)
+        finally:
+            self._prefills -= 1
+            self._prefill_tokens -= len(prompt_token_ids)
+        if isinstance(final, BaseException):
+            raise final
+        if final is None or not final.kv_transfer_params:
+            raise RuntimeError(f"prefill of {request_id} returned no transfer parameters")
+        if scored and isinstance(scored[0], BaseException):  # nobody will read the prefilled state: free it now
+            await self.release([final.kv_transfer_params["remote_request_id"]])
+            raise scored[0]
+        self.first_served_at = self.first_served_at or time.time()
+        self._totals.cached_prompt_tokens += final.num_cached_tokens or 0
+        kv_transfer_params = dict(final.kv_transfer_params)
+        first = None
+        if first_token is not None:
+            first, final.kv_transfer_params = final, None
+            detokenizer = self._continuation_detokenizer(prompt_token_ids, continued, params)
+            if detokenizer is not None and first.outputs:
+                first.outputs[0].text = "".join(detokenizer.decode_next(t) for t in first.outputs[0].token_ids)
+        return Prefilled(kv_transfer_params, scored[0].prompt_logprobs if scored else None, first)
+
+    async def _last_output(self, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
+        final = None
+        async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
+            final = output
+        return final
+
+    async def decode(self, prompt_token_ids: list[int], sampling: dict[str, Any], kv_transfer_params: dict[str, Any] | None, request_id: str):
+        """Stream a request's new tokens: {"token_ids", "text", "finish_reason"} per step. With
+        `kv_transfer_params` the prompt's state is pulled from the prefill engine they name; without, the engine runs
+        the whole request itself (colocated)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._require_engine()
+        self._refuse_if_draining()
+        extra = dict(sampling.pop("extra_args", None) or {})
+        if kv_transfer_params is not None:
+            extra["kv_transfer_params"] = kv_transfer_params
+            self._expect_verify_of(kv_transfer_params)
+        params = SamplingParams(**sampling, extra_args=extra or None, output_kind=RequestOutputKind.DELTA)
+        self._decodes += 1
+        verified = (kv_transfer_params or {}).get("remote_request_id")
+        colocated = kv_transfer_params is None
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
+                if colocated:  # its prefix-cache hit (a read's is counted with the read)
+                    self._totals.cached_prompt_tokens += output.num_cached_tokens or 0
+                    colocated = False
+                c = output.outputs[0]
+                item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
+                if c.logprobs:
+                    item["logprobs"] = [_ranked(step) for step in c.logprobs]
+                if output.prompt_logprobs:
+                    item["prompt_logprobs"] = [_ranked(step) if step else None for step in output.prompt_logprobs]
+                self.first_served_at = self.first_served_at or time.time()
+                yield item
+        finally:
+            self._decodes -= 1
+            self._verify_expected.discard(verified)
+
+    async def decode_channel(self, channel_id: str, address: str | None = None):
+        """A front end's one stream of decode outputs from this engine (call with num_returns="streaming"): each
+        message is a batch [(request id, vLLM RequestOutput | DecodeError)] of everything produced for that front
+        end's requests since the last one - typically one engine step for all of them, so a message is paid once per
+        step, not once per token and request. With `address` (a ZeroMQ ipc:// address the front end bound on this
+        node) the messages go there, pickled, and the stream yields only its opening item, staying open as the
+        channel's lifeline; without, they are the stream's items. Requests join with `submit_decode`. When the
+        channel ends here (the engine stops, Ray cancels the stream, or the front end stops reading the socket), its
+        requests still running are aborted; the front end aborts the requests it gives up on one by one (`abort`)."""
+        self._require_engine()
+        channel = self._channels[channel_id] = _Outbox()
+        sock = None
+        try:
+            if address is not None:
+                sock = _push_socket(address)
+                sock.send(pickle.dumps([]), zmq.NOBLOCK)  # hello: the front end opens the channel once it arrives
+            yield []  # open: requests may be submitted from now on
+            while True:
+                items = await channel.take()
+                if sock is None:
+                    yield items
+                    continue
+                try:
+                    sock.send(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+                except zmq.Again:  # SOCKET_BACKLOG messages unread: the front end is gone or wedged
+                    log.warning("decode channel %s: the front end stopped reading; ending its requests", channel_id)
+                    return
+        finally:
+            if self._channels.get(channel_id) is channel:
+                del self._channels[channel_id]
+            for task in list(channel.tasks):
+                task.cancel()  # their generate() aborts the request in the engine
+            if sock is not None:
+                sock.close(linger=0)
+
+    async def submit_decode(self, channel_id: str, request_id: str, prompt_token_ids: list[int], params: Any,
+                            kv_transfer_params: dict[str, Any] | None, continued: int = 0) -> None:
+        """Start one request whose outputs go to channel `channel_id` (opened by `decode_channel`). `params` is a
+        vLLM SamplingParams (its output_kind chooses deltas or one final output). With `kv_transfer_params` the
+        prompt's state is read from the prefill engine they name; without, this engine runs the whole request.
+        `continued`: the prompt's last tokens are output tokens the client already has (a first token sampled by the
+        prefill engine, or the tokens before a failover); the text of the first new tokens is then detokenized as
+        the continuation of those (`_continuation_detokenizer`)."""
+        self._require_engine()
+        self._refuse_if_draining()
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            raise RuntimeError(f"decode channel {channel_id} is not open on engine {self.engine_id}")
+        remote_id = None
+        if kv_transfer_params is not None:
+            params = params.clone()
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
+            # the prompt's state is read, not computed here: no prompt logprobs (the prefill engine gives them), and
+            # never a request that skips reading it (vLLM's EngineCore dies on the missing blocks)
+            params.prompt_logprobs = None
+            params.skip_reading_prefix_cache = False
+            remote_id = self._expect_verify_of(kv_transfer_params)
+        self._decodes += 1
+        task = asyncio.get_running_loop().create_task(
+            self._pump(channel, request_id, prompt_token_ids, params, remote_id, continued, kv_transfer_params is None))
+        channel.tasks.add(task)
+        task.add_done_callback(channel.tasks.discard)
+        task.add_done_callback(self._pump_done)
+
+    def _pump_done(self, _: asyncio.Task) -> None:  # also when cancelled before it ran
+        self._decodes -= 1
+
+    async def _pump(self, channel: "_Outbox", request_id: str, prompt_token_ids: list[int], params: Any,
+                    verified: str | None = None, continued: int = 0, colocated: bool = False) -> None:
+        """Run one request, putting its outputs on its channel. `verified`: the prefill-side id of a request under
+        transfer.verify; if its check failed, its error output becomes a DecodeError saying so. `colocated`: the
+        engine runs the whole prompt (its prefix-cache hit is counted here; a read's is counted with the read)."""
+        detokenizer = self._continuation_detokenizer(prompt_token_ids, continued, params)
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params,
+                                                     request_id=request_id):
+                self.first_served_at = self.first_served_at or time.time()
+                if colocated:
+                    self._totals.cached_prompt_tokens += output.num_cached_tokens or 0
+                    colocated = False
+                if detokenizer is not None and output.outputs:  # deltas (a continuation always streams them)
+                    c = output.outputs[0]
+                    c.text = "".join(detokenizer.decode_next(token) for token in c.token_ids)
+                if verified in self._verify_failed and output.outputs and output.outputs[0].finish_reason == "error":
+                    channel.put((request_id, DecodeError(TRANSFER_VERIFY_FAILED, self._verify_failed.pop(verified))))
+                    return
+                channel.put((request_id, output))
+        except asyncio.CancelledError:  # the engine is stopping or the channel closed: never a silent end
+            channel.put((request_id, DecodeError("Cancelled", "the decode engine stopped the request")))
+        except Exception as e:  # noqa: BLE001 - the request fails, the engine and channel carry on
+            channel.put((request_id, DecodeError(type(e).__name__, str(e)[:500])))
+        finally:
+            if verified is not None:
+                self._verify_expected.discard(verified)
+
+    def _continuation_detokenizer(self, prompt_token_ids: list[int], continued: int, params: Any) -> Any:
+        """A detokenizer for a request whose prompt ends with `continued` output tokens the client already has: vLLM's
+        own (`FastIncrementalDetokenizer`), primed with the prompt the client sent and stepped through those tokens,
+        so that the new tokens' text continues theirs. vLLM primes a request's detokenizer with its whole prompt, and
+        one that ends inside a character (a sent token holding the first bytes of a UTF-8 sequence) is primed
+        wrongly: its next text is the whole prompt's. None (vLLM's text stands) for slow tokenizers, requests
+        without text, or when priming fails."""
+        if not continued:  # every decode request asks: most are not continuations
+            return None
+        from types import SimpleNamespace
+
+        from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, uses_fast_detokenizer
+
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not uses_fast_detokenizer(tokenizer) or params.detokenize is False:
+            return None
+        request = SimpleNamespace(request_id="continued", sampling_params=params,
+                                  prompt_token_ids=list(prompt_token_ids[:-continued]))
+        try:
+            detokenizer = FastIncrementalDetokenizer(tokenizer, request)
+            for token in prompt_token_ids[-continued:]:
+                detokenizer.decode_next(token)
+        except Exception as e:  # noqa: BLE001 - vLLM's own text stands
+            log.warning("could not prime the continuation's detokenizer: %s", e)
+            return None
+        return detokenizer
+
+    async def abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            await self.engine.abort(request_id)
+
+    async def release(self, remote_request_ids: list[str]) -> list[str]:
+        """Prefill side: free the blocks held for requests no decode engine will read (their decode side failed)."""
+        self._require_engine()
+        freed = await self._pd_call("pd_release", list(remote_request_ids))
+        return sorted({r for rank in freed for r in rank})
+
+    async def pending_sends(self, wait_s: float = 5.0) -> list[str]:
+        """Prefill side: requests whose blocks are still held for a decode engine, after waiting up to `wait_s` for
+        the list to drain."""
+        self._require_engine()
+        deadline = time.monotonic() + wait_s
+        while True:
+            held = sorted({r for rank in await self._pd_call("pd_pending_sends") for r in rank})
+            if not held or time.monotonic() >= deadline:
+                return held
+            await asyncio.sleep(0.1)
