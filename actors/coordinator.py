@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from actors.engine_client import ENGINE_PREFIX, HEALTH_TIMEOUT_S, EngineClient
+from actors.engine_client import ENGINE_PREFIX, HEALTH_TIMEOUT_S, EngineClient, Leftovers, Registration
 from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
 from cluster.core.hf_config import model_shape
 from cluster.core.layout import LayoutError, layout_from_report
@@ -29,8 +29,8 @@ class CoordinatorActor:
         self.core = Coordinator()
         self.clients: dict[str, EngineClient] = {}  # registered engines
         self.removed: list[dict[str, Any]] = []
-        # per engine, what it leaves on its node if killed (EngineActor.leftovers); removed there once it is dead
-        self.leftovers: dict[str, dict[str, Any]] = {}
+        # per engine, what it leaves on its node if killed (EngineClient.leftovers); removed there once it is dead
+        self.leftovers: dict[str, Leftovers] = {}
         self.cleaned: dict[str, list[str]] = {}
         self._cleanups: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
@@ -60,12 +60,12 @@ class CoordinatorActor:
                 regs.append((await asyncio.wait_for(engine.registration(), HEALTH_TIMEOUT_S), engine))
             except Exception as e:  # noqa: BLE001 - dead or not started yet (it registers itself when it is)
                 log.warning("rebuild: skipping %s: %s", a["name"], e)
-        for reg, engine in sorted(regs, key=lambda x: x[0]["role"] != "prefill"):
+        for reg, engine in sorted(regs, key=lambda x: x[0].role != "prefill"):
             try:
                 await self._register(reg, engine)
-                self.rebuilt.append(reg["engine_id"])
+                self.rebuilt.append(reg.engine_id)
             except Exception as e:  # noqa: BLE001 - an engine that no longer pairs stays out, as at registration
-                log.warning("rebuild: %s refused: %s", reg["engine_id"], e)
+                log.warning("rebuild: %s refused: %s", reg.engine_id, e)
         log.warning("coordinator restarted: registry rebuilt from %d live engines in %.2f s", len(self.rebuilt), time.monotonic() - t0)
 
     def pid(self) -> int:
@@ -75,28 +75,28 @@ class CoordinatorActor:
         await self._ready()
         return list(self.rebuilt)
 
-    async def register(self, registration: dict[str, Any], engine: EngineClient) -> dict[str, Any]:
+    async def register(self, registration: Registration, engine: EngineClient) -> dict[str, Any]:
         """`registration`: what `EngineClient.registration` returns. Refused with RegistrationError (its message names
         the field) when the engine cannot pair with the registered ones; then nothing is registered."""
         await self._ready()
         return await self._register(registration, engine)
 
-    async def _register(self, registration: dict[str, Any], engine: EngineClient) -> dict[str, Any]:
+    async def _register(self, registration: Registration, engine: EngineClient) -> dict[str, Any]:
         self._ensure_watch()
         try:
-            model = model_shape(registration["hf_config"])
-            layout = layout_from_report(registration["ranks"][0]["layout"], model)
+            model = model_shape(registration.hf_config)
+            layout = layout_from_report(registration.layout, model)
         except (LayoutError, ValueError) as e:
             raise RegistrationError(getattr(e, "field", "layout"), getattr(e, "message", str(e))) from None
-        for i, rank in enumerate(registration["ranks"]):
-            if rank["layout"] != registration["ranks"][0]["layout"]:
+        for i, rank in enumerate(registration.ranks):
+            if rank["layout"] != registration.layout:
                 raise RegistrationError(f"ranks[{i}].layout", "TP ranks of one engine report different layouts")
         rec = EngineRecord(
-            engine_id=registration["engine_id"],
-            role=registration["role"],
-            model=registration["model"],
+            engine_id=registration.engine_id,
+            role=registration.role,
+            model=registration.model,
             layout=layout,
-            ranks=[{k: v for k, v in r.items() if k != "layout"} for r in registration["ranks"]],
+            ranks=[{k: v for k, v in r.items() if k != "layout"} for r in registration.ranks],
         )
         rec.state = "joining"  # routers see neither it nor its pairs until every plan is installed
         try:
@@ -126,9 +126,9 @@ class CoordinatorActor:
         # an engine found draining when a restarted coordinator rebuilds its registry, or told to drain while its
         # plans were being pushed, stays out of new requests
         if rec.engine_id in self.core.engines and self.core.engines[rec.engine_id].state == "joining":
-            self.core.set_state(rec.engine_id, "draining" if registration.get("draining") else "ready")
-        if registration.get("leftovers"):
-            self.leftovers[rec.engine_id] = registration["leftovers"]
+            self.core.set_state(rec.engine_id, "draining" if registration.draining else "ready")
+        if registration.leftovers is not None:
+            self.leftovers[rec.engine_id] = registration.leftovers
         log.info("registered %s (%s, TP %d); pairs %s", rec.engine_id, rec.role, layout.tp, pairs)
         return {"engine_id": rec.engine_id, "pairs": pairs}
 
@@ -226,10 +226,10 @@ class CoordinatorActor:
             return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from actors.engine import clean_leftovers
+        from actors.engine_procs import clean_leftovers
 
         ref = clean_leftovers.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(leftovers["node_id"], soft=False)).remote(leftovers)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(leftovers.node_id, soft=False)).remote(leftovers)
 
         async def wait() -> None:
             try:

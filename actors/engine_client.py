@@ -4,10 +4,10 @@ Everything outside `actors/engine*.py` - the router, the coordinator, the pools,
 benchmarks and the tests - holds an `EngineClient`, never a bare actor handle. Each method starts one call on the
 engine actor and returns what Ray returns for it: an `ObjectRef` (await it in async code, `ray.get` it elsewhere) or,
 for the two output streams, an `ObjectRefGenerator`. What comes back is a dataclass where the project defines the
-shape (`Prefilled`, `Load`, `Busy`, `Health`, `TransferTotals`); vLLM's own types (`SamplingParams`,
-`RequestOutput`) and vLLM's `kv_transfer_params` (a dict vLLM's connector API defines) cross as they are. The
-registration is the coordinator's input format (`cluster.core.coordinator`), a plain dict built from the workers'
-JSON reports.
+shape (`Registration`, `Leftovers`, `Prefilled`, `Load`, `Busy`, `Health`, `TransferTotals`); vLLM's own types
+(`SamplingParams`, `RequestOutput`) and vLLM's `kv_transfer_params` (a dict vLLM's connector API defines) cross as
+they are, and so do the workers' own JSON reports (each rank's registration report and transfer records, which the
+connector writes and the planner reads).
 
     client = EngineClient(handle, "decode-1")       # or EngineClient.named("decode-1", namespace)
     await client.start()                            # the startup seconds
@@ -118,6 +118,39 @@ class Prefilled:
         return self.kv_transfer_params["remote_request_id"]
 
 
+@dataclass(frozen=True)
+class Leftovers:
+    """What an engine's processes would leave on its node if they were killed (`EngineClient.leftovers`; a graceful
+    shutdown removes it all): its shared-memory files, its private TMPDIR, and the processes themselves as (pid,
+    start time) - what `actors.engine_procs.clean_leftovers` needs, on that node, once the engine is known dead."""
+
+    node_id: str
+    shm: tuple[str, ...]
+    tmpdir: str
+    procs: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What an engine tells the coordinator when it registers (`EngineClient.registration`): its id, role, served
+    model name and Hugging Face config, each TP rank's report in rank order (the workers' JSON: NIXL agent metadata,
+    region base addresses, and the run-time `layout` vLLM built), whether it is draining (a restarted coordinator
+    rebuilding its registry finds engines mid-drain), and what it would leave behind if killed."""
+
+    engine_id: str
+    role: str
+    model: str
+    hf_config: dict[str, Any]
+    ranks: list[dict[str, Any]]
+    draining: bool = False
+    leftovers: Leftovers | None = None
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """Rank 0's run-time layout report (every rank must report the same)."""
+        return self.ranks[0]["layout"]
+
+
 # ---- the client -----------------------------------------------------------------------------------------------------
 class EngineClient:
     """One engine actor (`actors.engine.EngineActor`), by handle. Picklable (it crosses Ray inside the coordinator's
@@ -137,10 +170,10 @@ class EngineClient:
         return f"EngineClient({self.engine_id or self.handle})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, EngineClient) and self.handle._actor_id == other.handle._actor_id
+        return isinstance(other, EngineClient) and self.handle == other.handle
 
     def __hash__(self) -> int:
-        return hash(self.handle._actor_id)
+        return hash(self.handle)
 
     def __getstate__(self) -> tuple[Any, str | None]:
         return self.handle, self.engine_id
@@ -196,7 +229,7 @@ class EngineClient:
     def rss_bytes(self) -> "ObjectRef[int]":
         return self.handle.rss_bytes.remote()
 
-    def leftovers(self) -> "ObjectRef[dict[str, Any]]":
+    def leftovers(self) -> "ObjectRef[Leftovers]":
         """What the engine would leave on its node if killed (`actors.engine_procs.clean_leftovers` removes it)."""
         return self.handle.leftovers.remote()
 
@@ -204,11 +237,11 @@ class EngineClient:
         return self.handle.side_channel_port.remote()
 
     # ---- registration and pairs (the coordinator's side) ----------------------------------------------------------
-    def registration(self) -> "ObjectRef[dict[str, Any]]":
-        """What the coordinator's `register` takes (`cluster.core.coordinator`'s registration format)."""
+    def registration(self) -> "ObjectRef[Registration]":
+        """What the coordinator's `register` takes."""
         return self.handle.registration.remote()
 
-    def register(self, coordinator: Any, registration: dict[str, Any] | None = None) -> "ObjectRef[dict[str, Any]]":
+    def register(self, coordinator: Any, registration: Registration | None = None) -> "ObjectRef[dict[str, Any]]":
         """The engine registers itself with `coordinator` (an edited `registration` tests what it refuses)."""
         return self.handle.register.remote(coordinator, registration)
 

@@ -6,11 +6,10 @@ connector (`actors.connector.PDWorkerExtension.pd_call`)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
-from actors.engine_client import EngineClient
+from actors.engine_client import EngineClient, Registration
+from cluster.core.hf_config import load_config
 from cluster.core.metrics import TransferTotals
 
 UNREAD_STATS_KEPT = 4096  # per-request transfer records kept until someone reads them (the totals keep counting)
@@ -34,15 +33,13 @@ class PairsMixin:
         self._totals = TransferTotals()
         self._coordinator: Any = None  # the coordinator it registered with (transfer.verify asks it for engines)
 
-    async def registration(self) -> dict[str, Any]:
-        """What the coordinator needs: every rank's NIXL agent metadata, region bases and run-time layout, and what
-        this engine would leave on its node if it were killed (`leftovers`)."""
+    async def registration(self) -> Registration:
+        """What the coordinator needs (`Registration`)."""
         self._require_engine()
         ranks = await self._pd_call("pd_registration")
-        hf_config = json.loads((Path(self.model_dir) / "config.json").read_text())
-        return {"engine_id": self.engine_id, "role": self.role, "model": self.served_model, "hf_config": hf_config,
-                "ranks": sorted(ranks, key=lambda r: r["tp_rank"]), "draining": self.draining,
-                "leftovers": self.leftovers()}
+        hf_config = load_config(self.model_dir)
+        return Registration(self.engine_id, self.role, self.served_model, hf_config,
+                            sorted(ranks, key=lambda r: r["tp_rank"]), self.draining, self.leftovers())
 
     async def _pd_call(self, method: str, *args: Any) -> list[Any]:
         """A connector method on every TP rank (`PDWorkerExtension.pd_call`); the ranks' values, in rank order, or
@@ -53,7 +50,7 @@ class PairsMixin:
                 raise WorkerCallError(f"{method} failed on TP rank {rank} of engine {self.engine_id}: {answer['error']}")
         return [answer["ok"] for answer in answers]
 
-    async def register(self, coordinator: Any, registration: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def register(self, coordinator: Any, registration: Registration | None = None) -> dict[str, Any]:
         """Register with the coordinator (which pushes negotiated plans to decode engines). `registration` lets a
         caller pass an edited registration (tests of what the coordinator does with wrong values)."""
         self._coordinator = coordinator  # transfer.verify asks it for prefill engines' handles

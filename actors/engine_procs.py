@@ -17,6 +17,8 @@ from typing import Any
 import psutil
 import ray
 
+from actors.engine_client import Leftovers
+
 # /dev/shm files an engine's processes create and leak when a worker is killed (SIGTERMed NIXL workers):
 # CPU all-reduce segments, message-queue segments, multiprocessing semaphores
 SHM_PREFIXES = ("vllm_dist_", "psm_", "sem.mp-")
@@ -87,10 +89,8 @@ class ProcessesMixin:
         """Remember the shared-memory files the engine's processes have mapped now (workers map theirs at start)."""
         self._shm |= _shm_paths(_process_tree(self._me))
 
-    def leftovers(self) -> dict[str, Any]:
-        """What this engine's processes leave behind when they are killed (a graceful `shutdown` removes it all): its
-        shared-memory files, its private TMPDIR, and the processes themselves as (pid, start time) - what
-        `clean_leftovers` needs, on this engine's node, once the engine is known dead."""
+    def leftovers(self) -> Leftovers:
+        """What this engine's processes leave behind when they are killed (see `Leftovers`)."""
         tree = _process_tree(self._me)
         self._shm |= _shm_paths(tree)
         procs = []
@@ -99,7 +99,7 @@ class ProcessesMixin:
                 procs.append((p.pid, p.create_time()))
             except psutil.NoSuchProcess:
                 pass
-        return {"node_id": self.node_id(), "shm": sorted(self._shm), "tmpdir": self.tmpdir, "procs": procs}
+        return Leftovers(self.node_id(), tuple(sorted(self._shm)), self.tmpdir, tuple(procs))
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -142,14 +142,14 @@ LEFTOVER_WAIT_S = 60.0  # how long a dead engine's vLLM processes get to exit be
 
 
 @ray.remote(num_cpus=0)
-def clean_leftovers(leftovers: dict[str, Any]) -> list[str]:
+def clean_leftovers(leftovers: Leftovers) -> list[str]:
     """On a dead engine's node (run it there): once none of its processes runs any more (vLLM's exit by themselves
     when the engine actor is gone; up to LEFTOVER_WAIT_S), remove the shared-memory files and the TMPDIR they left -
     4 MiB of resident /dev/shm per CPU all-reduce segment, otherwise until reboot. Returns the removed paths; removes
     nothing while any of the processes still runs."""
 
     def running() -> bool:
-        for pid, started in leftovers["procs"]:
+        for pid, started in leftovers.procs:
             try:
                 p = psutil.Process(pid)
                 if abs(p.create_time() - started) < 1e-3 and _running(p):
@@ -164,9 +164,9 @@ def clean_leftovers(leftovers: dict[str, Any]) -> list[str]:
             log.warning("a dead engine's processes still run after %.0f s: its files stay", LEFTOVER_WAIT_S)
             return []
         time.sleep(0.5)
-    tmpdir = leftovers.get("tmpdir") or ""
+    tmpdir = leftovers.tmpdir
     had_tmpdir = os.path.isdir(tmpdir)
-    removed, _ = _remove_leftovers(leftovers["shm"], tmpdir)
+    removed, _ = _remove_leftovers(leftovers.shm, tmpdir)
     return removed + ([tmpdir] if had_tmpdir and not os.path.exists(tmpdir) else [])
 
 

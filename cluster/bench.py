@@ -403,13 +403,13 @@ def _load_main(args: argparse.Namespace, out_dir: Path) -> int:
         import ray
 
         from cluster.core.config import load_deploy
-        from cluster.launch import start_cluster, start_http
+        from cluster.launch import serve
 
         cfg = load_deploy(args.deploy)
         key = key or cfg.http.resolved_api_key()
         ray.init(namespace=cfg.coordinator.namespace, num_cpus=2, include_dashboard=False, log_to_driver=False)
-        cluster = start_cluster(cfg)
-        url, model = start_http(cluster), args.model or cfg.model.name
+        cluster = serve(cfg)
+        url, model = cluster.url, args.model or cfg.model.name
     try:
         print(f"bench load: {args.clients} clients for {args.duration:.0f} s against {url} ...", flush=True)
         res = asyncio.run(run_load(url, model, args.clients, args.duration, args.max_tokens, api_key=key))

@@ -64,16 +64,30 @@ def kill_engine(engine: Any) -> list[Any]:
     return children
 
 
-def _free_blocks(cluster: Any) -> dict[str, int]:
+def free_blocks(engines: dict[str, Any]) -> dict[str, int]:
+    """Each engine's free KV/state block count ({engine id: client}; an engine that does not answer is left out)."""
     import ray
 
     out = {}
-    for engine_id, engine in cluster.engines.items():
+    for engine_id, engine in engines.items():
         try:
             out[engine_id] = ray.get(engine.free_blocks(), timeout=10)
         except Exception:  # noqa: BLE001 - the dead one
             pass
     return out
+
+
+def blocks_held(engines: dict[str, Any], idle: dict[str, int], timeout_s: float) -> tuple[dict[str, int], float]:
+    """Wait up to `timeout_s` until every engine of `idle` still in `engines` is back to its idle free block count
+    (nothing held for requests that are over). Returns the blocks each still holds (all 0: nothing leaked) and the
+    seconds it waited. Also what tests/test_faults.py checks after each fault."""
+    t0 = time.monotonic()
+    while True:
+        free = free_blocks({e: c for e, c in engines.items() if e in idle})
+        held = {e: idle[e] - n for e, n in free.items()}
+        if not any(held.values()) or time.monotonic() - t0 > timeout_s:
+            return held, time.monotonic() - t0
+        time.sleep(0.2)
 
 
 def _noticed(cluster: Any, victim: str, t_kill: float, old_pid: int | None = None) -> float | None:
@@ -102,7 +116,7 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
     import psutil
     import ray
 
-    from cluster.launch import start_cluster, start_http, stop_cluster
+    from cluster.launch import serve, stop_cluster
     from cluster.loadgen import LoadResult, run_load
 
     victim, n_prefill, n_decode = SCENARIOS[name]
@@ -114,16 +128,16 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
     cfg = type(base).model_validate(data)
     say(f"{name}: prefill {n_prefill} x TP {cfg.prefill.tp}, decode {n_decode} x TP {cfg.decode.tp}; "
         f"{args.clients} clients, {victim} killed after {args.warmup:.0f} s")
-    cluster = start_cluster(cfg, progress=lambda m: say(f"  {m}"), pools="actors")
+    cluster = serve(cfg, progress=lambda m: say(f"  {m}"), pools="actors")
+    url = cluster.url
     try:
-        url = start_http(cluster, progress=lambda m: say(f"  {m}"))
-        idle = _free_blocks(cluster)
+        idle = free_blocks(cluster.engines)
         holder: dict[str, LoadResult] = {}
         load = threading.Thread(target=lambda: holder.setdefault("res", asyncio.run(run_load(
             url, cfg.model.name, args.clients, args.warmup + args.after, args.max_tokens, api_key=cfg.http.resolved_api_key()))))
         load.start()
         time.sleep(args.warmup)
-        leftovers: dict[str, Any] = {}
+        leftovers = None
         children: list[Any] = []
         old_pid = None
         if victim == "coordinator":
@@ -147,19 +161,12 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
         for p in stragglers:
             p.kill()
         # survivors return to their idle free block count once the load is over (nothing held for dead requests)
-        held, deadline = {}, time.monotonic() + 30
-        while time.monotonic() < deadline:
-            free = _free_blocks(cluster)
-            held = {e: idle[e] - free.get(e, idle[e]) for e in free}
-            if not any(held.values()):
-                break
-            time.sleep(0.5)
+        held, _ = blocks_held(cluster.engines, idle, 30)
         left: list[str] = []
-        if leftovers:
+        if leftovers is not None:
             deadline = time.monotonic() + 30
             while True:
-                left = [f for f in leftovers["shm"] if os.path.exists(f)]
-                left += [leftovers["tmpdir"]] if leftovers.get("tmpdir") and os.path.exists(leftovers["tmpdir"]) else []
+                left = [f for f in leftovers.shm + (leftovers.tmpdir,) if os.path.exists(f)]
                 if not left or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)

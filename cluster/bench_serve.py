@@ -134,7 +134,7 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
 
     from actors.engine import free_port
     from cluster.core.config import DeployConfig
-    from cluster.launch import start_cluster, start_http, stop_cluster
+    from cluster.launch import serve, stop_cluster
 
     cfg = DeployConfig.model_validate({
         "model": {"path": model_dir, "name": "tiny-hybrid"},
@@ -145,8 +145,7 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pd-bench-serve")
     cluster = None
     try:
-        cluster = start_cluster(cfg, progress=lambda m: print(f"  cluster: {m}", flush=True))  # as `make run` does
-        start_http(cluster, progress=lambda m: print(f"  cluster: {m}", flush=True))
+        cluster = serve(cfg, progress=lambda m: print(f"  cluster: {m}", flush=True))  # as `make run` does
         return _measure("cluster", cluster.url, "tiny-hybrid", model_dir, loads, input_len, output_len)
     finally:
         if cluster is not None:

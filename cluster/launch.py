@@ -334,6 +334,21 @@ def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) 
     }
 
 
+def serve(cfg: DeployConfig, progress: Callable[[str], None] = say, *, pools: str = "serve",
+          shutdown_serve: bool = True) -> Cluster:
+    """One validated deploy config in, the running service out (the shape of Ray Serve LLM's app builders): the
+    coordinator, both pools (`start_cluster`; `pools` as there) and the HTTP front end (`start_http`); the returned
+    `Cluster` has its `url`. If a part fails to start, what did start is stopped (with Serve itself when
+    `shutdown_serve`, as in `stop_cluster`) before the error is raised. End it with `stop_cluster`."""
+    cluster = start_cluster(cfg, progress, pools=pools)
+    try:
+        start_http(cluster, progress)
+    except BaseException:
+        stop_cluster(cluster, shutdown_serve=shutdown_serve, progress=progress)
+        raise
+    return cluster
+
+
 def frontend_settings(cluster: Cluster):
     from actors.frontend import FrontendSettings
 
@@ -499,8 +514,7 @@ def main(argv: list[str]) -> int:
     say(f"Ray: {'joined ' + address if address else 'local instance'}")
     cluster = None
     try:
-        cluster = start_cluster(cfg)
-        start_http(cluster)
+        cluster = serve(cfg, shutdown_serve=not address)
         check = self_check(cluster, api_key)
         say(f"self-check: 16 tokens streamed, first after {check['ttft_ms']:.0f} ms, all after {check['total_ms']:.0f} ms")
         say(f"ready in {time.monotonic() - t0:.0f} s: {cluster.url}/v1/completions  (model {cfg.model.name})")

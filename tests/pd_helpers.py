@@ -172,17 +172,17 @@ def gather(coros) -> list:
     return asyncio.run(main())
 
 
-def byte_classes(registration: dict[str, Any], probes: dict[str, list[int]]) -> dict[str, tuple[list[int], list[list[dict]]]]:
+def byte_classes(registration: Any, probes: dict[str, list[int]]) -> dict[str, tuple[list[int], list[list[dict]]]]:
     """Every byte class a decode engine reads for a hybrid request, as (probe prompt, noise specs per rank) for
-    `EngineActor.corrupt_next_read`: each conv sub-projection (GDN Q, K, V; Mamba2 x, B, C) and each conv row in every
+    `EngineClient.corrupt_next_read`: each conv sub-projection (GDN Q, K, V; Mamba2 x, B, C) and each conv row in every
     state layer, each recurrent head of each state layer (on the rank that holds it), attention K and V. Offsets come
     from the engine's run-time layout (`cluster.core.layout`). `probes`: the model's probe prompts (`cluster.core.models.probe_prompts`:
     "self" for the conv and attention classes, "layer L head H" for recurrent head H of the L-th state layer)."""
     from cluster.core.hf_config import model_shape
     from cluster.core.layout import layout_from_report
 
-    shape = model_shape(registration["hf_config"])
-    ranks = registration["ranks"]
+    shape = model_shape(registration.hf_config)
+    ranks = registration.ranks
     lay = layout_from_report(ranks[0]["layout"], shape)
     state, tp = shape.state, lay.tp
     rows, elem = lay.conv_rows, lay.elem_bytes

@@ -18,6 +18,7 @@ import random
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -28,7 +29,7 @@ import ray
 
 from actors.engine import free_port
 from cluster.core.config import DeployConfig
-from cluster.launch import start_cluster, start_http, stop_cluster
+from cluster.launch import Cluster, serve, stop_cluster
 from tests.pd_helpers import oracle
 
 pytestmark = pytest.mark.engine
@@ -52,16 +53,26 @@ def scaled(ray_local, gdn_model):
         "coordinator": {"name": "coordinator-autoscale", "namespace": "pd-test-autoscale"},
         "http": {"port": free_port()},
     })
-    cluster = start_cluster(cfg, progress=print)
-    cluster.watch = PoolWatch(cluster)
+    cluster = serve(cfg, progress=print)
+    scaled = Scaled(cluster, PoolWatch(cluster))
     try:
-        start_http(cluster, progress=print)
-        cluster.refs = references(cluster)
-        yield cluster
+        scaled.refs = references(cluster)
+        yield scaled
     finally:
-        cluster.watch.stop()
-        if not getattr(cluster, "stopped", False):
+        scaled.watch.stop()
+        if not scaled.stopped:
             stop_cluster(cluster, shutdown_serve=True, progress=print)
+
+
+@dataclass
+class Scaled:
+    """The module's cluster and what its tests keep beside it: the registry's watcher, the reference answers, and
+    whether a test already stopped the cluster."""
+
+    cluster: Cluster
+    watch: "PoolWatch"
+    refs: dict[str, list[tuple[list[int], int, str]]] = field(default_factory=dict)
+    stopped: bool = False
 
 
 class PoolWatch:
@@ -127,10 +138,10 @@ def references(cluster) -> dict[str, list[tuple[list[int], int, str]]]:
 class Load:
     """Closed-loop clients over HTTP; every answer is checked against the reference."""
 
-    def __init__(self, cluster):
-        self.cluster = cluster
-        self.refs = cluster.refs
-        self.client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    def __init__(self, scaled: Scaled):
+        self.cluster = scaled.cluster
+        self.refs = scaled.refs
+        self.client = openai.AsyncOpenAI(base_url=f"{self.cluster.url}/v1", api_key="unused", max_retries=0, timeout=600)
         self.results: list[dict] = []
         self.groups: dict[str, tuple[asyncio.Event, list[asyncio.Task]]] = {}
 
@@ -227,11 +238,11 @@ def test_prefill_pool_grows_and_shrinks_alone(scaled):
         load = Load(scaled)
         load.start("hot", "long", 12)
         load.start("tail", "short", 1)
-        await until(lambda: scaled.watch.now("prefill") == 2 and joined_engine_served(scaled, "prefill", t0), 600,
+        await until(lambda: scaled.watch.now("prefill") == 2 and joined_engine_served(scaled.cluster, "prefill", t0), 600,
                     "the prefill pool grows to 2 and its new engine serves")
         await asyncio.sleep(3)
         await load.stop("hot")
-        await until(lambda: scaled.watch.now("prefill") == 1 and any(l["role"] == "prefill" for l in events(scaled)["leaves"]),
+        await until(lambda: scaled.watch.now("prefill") == 1 and any(l["role"] == "prefill" for l in events(scaled.cluster)["leaves"]),
                     180, "the prefill pool shrinks back to 1")
         await asyncio.sleep(1)
         await load.stop("tail")
@@ -241,7 +252,7 @@ def test_prefill_pool_grows_and_shrinks_alone(scaled):
     assert [(d["role"], d["direction"]) for d in mine] == [("prefill", "up"), ("prefill", "down")]
     assert "prompt tokens" in mine[0]["reason"]
     assert scaled.watch.most("decode", t0) == 1, "the decode pool grew under a prompt-heavy load"
-    scaled.breakdown_prefill = scale_up_breakdown(scaled, "prefill", t0)
+    scale_up_breakdown(scaled.cluster, "prefill", t0)
     assert_left_cleanly(scaled, "prefill", t0)
 
 
@@ -252,7 +263,7 @@ def test_decode_pool_grows_alone(scaled):
     async def run():
         load = Load(scaled)
         load.start("hot", "short", 14)
-        await until(lambda: scaled.watch.now("decode") == 2 and joined_engine_served(scaled, "decode", t0), 600,
+        await until(lambda: scaled.watch.now("decode") == 2 and joined_engine_served(scaled.cluster, "decode", t0), 600,
                     "the decode pool grows to 2 and its new engine serves")
         await asyncio.sleep(2)
         await load.stop("hot")
@@ -262,7 +273,7 @@ def test_decode_pool_grows_alone(scaled):
     assert [(d["role"], d["direction"]) for d in mine][:1] == [("decode", "up")] and "sequences decoding" in mine[0]["reason"]
     assert all(d["role"] == "decode" for d in mine)
     assert scaled.watch.most("prefill", t0) == 1, "the prefill pool grew under a decode-heavy load"
-    scaled.breakdown_decode = scale_up_breakdown(scaled, "decode", t0)
+    scale_up_breakdown(scaled.cluster, "decode", t0)
 
 
 def test_decode_scale_down_with_requests_in_flight_loses_none(scaled):
@@ -275,7 +286,7 @@ def test_decode_scale_down_with_requests_in_flight_loses_none(scaled):
         load = Load(scaled)
         load.start("tail", "tail", 4)
         await until(lambda: scaled.watch.now("decode") == 1 and any(l["role"] == "decode" and l["started"] >= t0
-                                                                   for l in events(scaled)["leaves"]),
+                                                                   for l in events(scaled.cluster)["leaves"]),
                     240, "the decode pool shrinks back to 1")
         await asyncio.sleep(2)
         await load.stop("tail")
@@ -283,7 +294,7 @@ def test_decode_scale_down_with_requests_in_flight_loses_none(scaled):
 
     load = asyncio.run(run())
     n = load.check()
-    leave = next(l for l in events(scaled)["leaves"] if l["role"] == "decode" and l["started"] >= t0)
+    leave = next(l for l in events(scaled.cluster)["leaves"] if l["role"] == "decode" and l["started"] >= t0)
     print(f"{n} requests, all right; the leaving engine: {leave}")
     assert leave["held_at_start"]["decodes"] >= 1, "no request was in flight on the engine that left"
     assert not leave["timed_out"]
@@ -293,7 +304,7 @@ def test_decode_scale_down_with_requests_in_flight_loses_none(scaled):
 
 
 def test_metrics_show_pool_sizes_and_decisions(scaled):
-    text = httpx.get(f"{scaled.url}/metrics", timeout=30).text
+    text = httpx.get(f"{scaled.cluster.url}/metrics", timeout=30).text
     for role in ("prefill", "decode"):
         for direction in ("up", "down"):
             assert f'pd_scaling_decisions_total{{direction="{direction}",role="{role}"}}' in text, (role, direction)
@@ -311,17 +322,17 @@ def _started(pid: int) -> float | None:
         return None
 
 
-def assert_left_cleanly(cluster, role: str, since: float) -> None:
+def assert_left_cleanly(scaled: Scaled, role: str, since: float) -> None:
     """The engine that left: deregistered (no pair names it) and none of its processes alive."""
-    leave = next(l for l in events(cluster)["leaves"] if l["role"] == role and l["started"] >= since)
-    desc = ray.get(cluster.coordinator.describe.remote())
+    leave = next(l for l in events(scaled.cluster)["leaves"] if l["role"] == role and l["started"] >= since)
+    desc = ray.get(scaled.cluster.coordinator.describe.remote())
     assert leave["engine_id"] not in desc["engines"]
     assert all(leave["engine_id"] not in (p["prefill"], p["decode"]) for p in desc["pairs"])
-    started = cluster.watch.started.get(leave["engine_id"], {})
-    assert cluster.watch.pids.get(leave["engine_id"]), "never saw the leaving engine's processes"
+    started = scaled.watch.started.get(leave["engine_id"], {})
+    assert scaled.watch.pids.get(leave["engine_id"]), "never saw the leaving engine's processes"
 
     def alive() -> list[int]:
-        return [p for p in cluster.watch.pids.get(leave["engine_id"], []) if psutil.pid_exists(p) and
+        return [p for p in scaled.watch.pids.get(leave["engine_id"], []) if psutil.pid_exists(p) and
                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE and _started(p) == started.get(p)]  # not a reused pid
 
     deadline = time.monotonic() + 15  # a signalled process may still be exiting on a busy machine; a leak stays
@@ -333,27 +344,27 @@ def assert_left_cleanly(cluster, role: str, since: float) -> None:
 def test_a_dead_engine_is_replaced(scaled):
     """SIGKILL the prefill engine's actor process: the coordinator drops it, its replica fails Serve's health check,
     and Serve starts a replica whose new engine joins and serves the right answers."""
-    engines = ray.get(scaled.coordinator.describe.remote())["engines"]
+    engines = ray.get(scaled.cluster.coordinator.describe.remote())["engines"]
     victim = next(e for e, d in engines.items() if d["role"] == "prefill")
     pids = scaled.watch.pids[victim]
     children = [psutil.Process(p) for p in pids[1:] if psutil.pid_exists(p)]
     os.kill(pids[0], signal.SIGKILL)
 
     def replaced() -> bool:
-        now = ray.get(scaled.coordinator.describe.remote())["engines"]
+        now = ray.get(scaled.cluster.coordinator.describe.remote())["engines"]
         return victim not in now and any(d["role"] == "prefill" and d["state"] == "ready" for d in now.values())
 
     killed_at = time.time()
     took = asyncio.run(until(replaced, 400, "a new prefill engine replaces the killed one"))
-    joins = [j for j in events(scaled)["joins"] if j["role"] == "prefill" and j["replica_started"] >= killed_at]
+    joins = [j for j in events(scaled.cluster)["joins"] if j["role"] == "prefill" and j["replica_started"] >= killed_at]
     assert joins and joins[0]["engine_id"] != victim, "no new prefill engine joined after the kill"
     prompt, max_tokens, expected = scaled.refs["short"][0]
-    client = openai.OpenAI(base_url=f"{scaled.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{scaled.cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
     assert got.choices[0].text == expected
     _, alive = psutil.wait_procs(children, timeout=60)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "the killed engine's vLLM processes live on"
-    new = [e for e, d in ray.get(scaled.coordinator.describe.remote())["engines"].items() if d["role"] == "prefill"]
+    new = [e for e, d in ray.get(scaled.cluster.coordinator.describe.remote())["engines"].items() if d["role"] == "prefill"]
     print(f"{victim} killed; {new} serving {took:.0f} s later")
 
 
@@ -361,7 +372,7 @@ def test_no_engine_process_outlives_the_cluster(scaled):
     scaled.watch.stop()
     seen = dict(scaled.watch.pids)
     assert len(seen) >= 4, seen  # the two first engines and one that joined each pool
-    stop_cluster(scaled, shutdown_serve=True, progress=print)
+    stop_cluster(scaled.cluster, shutdown_serve=True, progress=print)
     scaled.stopped = True
     pids = [p for ps in seen.values() for p in ps]
     _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=30)

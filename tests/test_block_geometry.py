@@ -55,7 +55,7 @@ def prompt_of(n: int, seed: int) -> list[int]:
 
 
 def layouts(handle) -> list[dict]:
-    return [r["layout"] for r in ray.get(handle.registration())["ranks"]]
+    return [r["layout"] for r in ray.get(handle.registration()).ranks]
 
 
 def kernel_block(logical_ids: list[int], pos: int, layout: dict) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import re
 import socket
 
@@ -82,7 +83,7 @@ def test_prompts_on_block_boundaries(pd, p_tp, d_tp, first):
     in the block mapping reads a stale or a missing block - equal the model's rule, and the decode engine read
     exactly that many tokens."""
     decode = pd.engines[("decode", d_tp)]
-    block = ray.get(decode.registration())["ranks"][0]["layout"]["block_size"]
+    block = ray.get(decode.registration()).ranks[0]["layout"]["block_size"]
     assert block == 128
     whole = first == "prefill"  # prompts() adds a BOS: a length n gives n + 1 tokens
     cases = prompts(seed=41, lengths=[n - whole for n in (block - 1, block, 2 * block)])
@@ -251,12 +252,12 @@ def test_the_data_path_reads_by_the_negotiated_layout(pd, reference):
     try:
         ray.get(pd.coordinator.deregister.remote("prefill-tp1"))
         halved = copy.deepcopy(reg)
-        for rank in halved["ranks"]:
+        for rank in halved.ranks:
             rank["layout"]["kernel_block_size"] //= 2
         with pytest.raises(RegistrationError, match=r"kernel_block_size: prefill has 64, decode has 128; vLLM's CPU"):
             ray.get(engine.register(pd.coordinator, halved))
         doubled = copy.deepcopy(reg)
-        for rank in doubled["ranks"]:
+        for rank in doubled.ranks:
             rank["layout"]["page_bytes"] *= 2
         ray.get(engine.register(pd.coordinator, doubled))
         wrong = asyncio.run(answers())
@@ -270,13 +271,12 @@ def test_the_data_path_reads_by_the_negotiated_layout(pd, reference):
 def test_incompatible_dtype_refused_naming_the_field(pd):
     """A decode engine whose cache dtype differs: refused when paired with the first prefill engine, and a prefill
     engine in another dtype is refused by its own pool."""
-    reg = ray.get(pd.engines[("decode", 2)].registration())
-    reg["engine_id"] = "decode-fp16"
-    for rank in reg["ranks"]:
+    reg = dataclasses.replace(ray.get(pd.engines[("decode", 2)].registration()), engine_id="decode-fp16")
+    for rank in reg.ranks:
         rank["layout"]["dtype"] = "float16"
     with pytest.raises(RegistrationError, match=r"dtype: decode-fp16 \(decode\) is incompatible with prefill-tp\d \(prefill\): dtype: prefill has 'bfloat16', decode has 'float16'"):
         ray.get(pd.coordinator.register.remote(reg, pd.engines[("decode", 2)]))
-    reg.update(engine_id="prefill-fp16", role="prefill")
+    reg = dataclasses.replace(reg, engine_id="prefill-fp16", role="prefill")
     with pytest.raises(RegistrationError, match=r"dtype: prefill-fp16 has 'float16', prefill-tp\d of the same prefill pool has 'bfloat16'"):
         ray.get(pd.coordinator.register.remote(reg, pd.engines[("decode", 2)]))
     assert not {"decode-fp16", "prefill-fp16"} & set(ray.get(pd.coordinator.describe.remote())["engines"])

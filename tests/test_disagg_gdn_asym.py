@@ -33,7 +33,7 @@ def block(pd) -> int:
     """The engines' logical block (the hybrid page alignment: 384 tokens for this model on CPU)."""
     import ray
 
-    blocks = {k: ray.get(e.registration())["ranks"][0]["layout"]["block_size"] for k, e in pd.engines.items()}
+    blocks = {k: ray.get(e.registration()).ranks[0]["layout"]["block_size"] for k, e in pd.engines.items()}
     assert set(blocks.values()) == {BLOCK}, blocks
     return BLOCK
 

@@ -75,7 +75,7 @@ def test_prompts_on_block_boundaries(pd, p_tp, d_tp, first):
     import ray
 
     decode = pd.engines[("decode", d_tp)]
-    block = ray.get(decode.registration())["ranks"][0]["layout"]["block_size"]
+    block = ray.get(decode.registration()).ranks[0]["layout"]["block_size"]
     whole = first == "prefill"  # prompts() adds a BOS: a length n gives n + 1 tokens
     lengths = (3, block - 1, block, 2 * block + 39)
     cases = prompts(seed=43, lengths=[n - whole for n in lengths])

@@ -19,9 +19,10 @@ import ray
 
 from actors.engine_client import ENGINE_PREFIX
 from actors.engine import free_port, launch_engine_actor, stop_engine_actor
+from cluster.bench_faults import blocks_held, free_blocks
 from cluster.bench_faults import kill_engine as bench_kill_engine
 from cluster.core.config import DeployConfig
-from cluster.launch import start_cluster, start_http, stop_cluster
+from cluster.launch import serve, stop_cluster
 from tests.pd_helpers import metric, wait_for
 
 pytestmark = pytest.mark.engine
@@ -37,15 +38,20 @@ def served(ray_local, gdn_model):
         "http": {"port": free_port()},
     })
     # engines as plain actors (pools="actors"): these tests kill them on purpose, and Serve would replace them
-    cluster = start_cluster(cfg, progress=print, pools="actors")
+    cluster = serve(cfg, progress=print, pools="actors")
     try:
-        start_http(cluster, progress=print)
-        # the idle value of every engine's free block count: after each fault the survivors must return to it
-        cluster.idle_free = {e: ray.get(h.free_blocks()) for e, h in cluster.engines.items()}
-        print(f"idle free blocks: {cluster.idle_free}")
         yield cluster
     finally:
         stop_cluster(cluster, shutdown_serve=True, progress=print)
+
+
+@pytest.fixture(scope="module")
+def idle_free(served) -> dict[str, int]:
+    """Every engine's free block count while idle, by engine id: after each fault the survivors must return to it
+    (tests add engines they start and drop the ones they kill)."""
+    idle = free_blocks(served.engines)
+    print(f"idle free blocks: {idle}")
+    return idle
 
 
 def kill_engine(cluster, engine_id: str) -> list[psutil.Process]:
@@ -68,19 +74,14 @@ def complete(url: str, prompt: list[int], max_tokens: int = 8) -> dict:
     return {"status": r.status_code, **r.json()}
 
 
-def assert_no_leaked_blocks(cluster, timeout_s: float = 10.0) -> None:
+def assert_no_leaked_blocks(cluster, idle: dict[str, int], timeout_s: float = 10.0) -> None:
     """Every surviving engine's free block count returns to its idle value (nothing held for dead requests)."""
-    def free():
-        return {e: ray.get(h.free_blocks()) for e, h in cluster.engines.items() if e in cluster.idle_free}
-
-    try:
-        took = wait_for(lambda: free() == {e: cluster.idle_free[e] for e in free()}, timeout_s)
-    except AssertionError:
-        raise AssertionError(f"blocks leaked: free {free()} vs idle {cluster.idle_free}") from None
-    print(f"free blocks back to idle on {sorted(free())} ({took:.2f} s)")
+    held, took = blocks_held(cluster.engines, idle, timeout_s)
+    assert not any(held.values()), f"blocks leaked (held per engine, after {took:.1f} s): {held}"
+    print(f"free blocks back to idle on {sorted(held)} ({took:.2f} s)")
 
 
-def test_decode_dies_mid_stream(served):
+def test_decode_dies_mid_stream(served, idle_free):
     """SIGKILL the decode engine of a greedy stream after its first tokens: the stream goes on - the prompt plus the
     tokens already sent are prefilled again and decoded on the other decode engine - and the client gets one
     uninterrupted answer, token for token the one the cluster gives without the kill. The prefill side holds nothing
@@ -119,10 +120,10 @@ def test_decode_dies_mid_stream(served):
     print(f"coordinator removed {victim} within {removed:.2f} s of the stream's end")
     assert reap(children) == [], "vLLM processes of the killed engine had to be killed"
     served.engines.pop(victim)
-    assert_no_leaked_blocks(served)
+    assert_no_leaked_blocks(served, idle_free)
 
 
-def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
+def test_requests_routed_to_a_dead_decode_are_retried(served, idle_free, gdn_model):
     """Kill a decode engine while it is still registered: requests sent to it fail at their decode step before any
     token, free the prefill blocks, and complete on the other decode engine with the right output."""
     url, prefill = served.url, served.engines["prefill-0"]
@@ -132,7 +133,7 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     ray.get(ref)
     ray.get(engine.register(served.coordinator))
     served.engines["decode-9"] = engine
-    served.idle_free["decode-9"] = ray.get(engine.free_blocks())
+    idle_free["decode-9"] = ray.get(engine.free_blocks())
     decodes = sorted(ray.get(served.coordinator.ready.remote("decode")))
     assert len(decodes) == 2
     prompts = [[1] + [(7 * i + j) % 900 + 3 for j in range(40 + 30 * i)] for i in range(8)]
@@ -140,7 +141,7 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
 
     victim = decodes[0]
     left = ray.get(served.engines[victim].leftovers())  # what its processes would leave if killed
-    assert left["shm"] and os.path.isdir(left["tmpdir"])
+    assert left.shm and os.path.isdir(left.tmpdir)
     children = kill_engine(served, victim)
     t_kill = time.monotonic()
     seen: dict[str, list[float]] = {}  # prefill request id -> [first, last] time its blocks were seen held
@@ -176,15 +177,15 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, gdn_model):
     assert reap(children) == []
     # a SIGKILLed engine's shared memory (4 MiB resident per CPU all-reduce segment) and TMPDIR outlived it before
     # the coordinator removed them once the engine was confirmed dead and its processes gone
-    gone = wait_for(lambda: not any(os.path.exists(p) for p in left["shm"] + [left["tmpdir"]]), 60)
-    print(f"{victim}'s {len(left['shm'])} shared-memory files and TMPDIR removed {gone:.2f} s after the requests")
+    gone = wait_for(lambda: not any(os.path.exists(p) for p in left.shm + (left.tmpdir,)), 60)
+    print(f"{victim}'s {len(left.shm)} shared-memory files and TMPDIR removed {gone:.2f} s after the requests")
     removed = set(ray.get(served.coordinator.cleaned_up.remote())[victim])  # some may go with their own process
-    assert left["tmpdir"] in removed and removed <= set(left["shm"]) | {left["tmpdir"]} and len(removed) >= 2
+    assert left.tmpdir in removed and removed <= set(left.shm) | {left.tmpdir} and len(removed) >= 2
     served.engines.pop(victim)
-    assert_no_leaked_blocks(served)
+    assert_no_leaked_blocks(served, idle_free)
 
 
-def test_an_engine_joins_while_a_dead_decode_engine_is_still_listed(served, gdn_model):
+def test_an_engine_joins_while_a_dead_decode_engine_is_still_listed(served, idle_free, gdn_model):
     """A decode engine that died a moment ago, before the coordinator noticed, is still registered when a new prefill
     engine joins, and pushing the new pair's plan to it fails. The join goes on without it - the coordinator confirms
     the death and takes the dead engine out of every pair - instead of the new engine being refused."""
@@ -209,10 +210,10 @@ def test_an_engine_joins_while_a_dead_decode_engine_is_still_listed(served, gdn_
         stop_engine_actor(joining)
     assert reap(children) == []
     served.engines.pop("decode-8")
-    assert_no_leaked_blocks(served)
+    assert_no_leaked_blocks(served, idle_free)
 
 
-def test_coordinator_restart_rebuilds_the_registry(served):
+def test_coordinator_restart_rebuilds_the_registry(served, idle_free):
     """SIGKILL the coordinator: the front end keeps serving on the routes the coordinator last gave it (the pairs'
     plans are installed in their engines) - every request 200 with the same output, none waiting for the restart -
     while Ray restarts it; it re-registers every live engine (re-negotiating their pairs and re-pushing the plans)."""
@@ -245,10 +246,10 @@ def test_coordinator_restart_rebuilds_the_registry(served):
     assert {k: v["state"] for k, v in after["engines"].items()} == {k: v["state"] for k, v in before["engines"].items()}
     assert sorted(map(str, after["pairs"])) == sorted(map(str, before["pairs"]))
     assert sorted(ray.get(served.coordinator.rebuilt_engines.remote())) == sorted(before["engines"])
-    assert_no_leaked_blocks(served)
+    assert_no_leaked_blocks(served, idle_free)
 
 
-def test_with_the_decode_pool_dead_the_prefill_engine_serves_whole_requests(served, gdn_model):
+def test_with_the_decode_pool_dead_the_prefill_engine_serves_whole_requests(served, idle_free, gdn_model):
     """SIGKILL the last decode engine: the decode pool is empty, and the prefill engine, which would otherwise sit
     idle while every request got a 503, runs requests whole - all 200, the same outputs as through the pair, /health
     200 "degraded", counted in /metrics. A new decode engine joins: pairs serve again and /health says "ok"."""
@@ -272,19 +273,19 @@ def test_with_the_decode_pool_dead_the_prefill_engine_serves_whole_requests(serv
     assert reap(children) == []
     for e in decodes:
         served.engines.pop(e)
-        served.idle_free.pop(e, None)
+        idle_free.pop(e, None)
 
     ray.get(started)
     ray.get(replacement.register(served.coordinator))
     served.engines["decode-7"] = replacement
-    served.idle_free["decode-7"] = ray.get(replacement.free_blocks())
+    idle_free["decode-7"] = ray.get(replacement.free_blocks())
     assert complete(url, prompts[0])["choices"][0]["text"] == want[0]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     assert float(metric(httpx.get(f"{url}/metrics").text, 'pd_degraded{role="prefill"}')) == 0
-    assert_no_leaked_blocks(served)
+    assert_no_leaked_blocks(served, idle_free)
 
 
-def test_prefill_dies_after_prefill_before_the_read(served):
+def test_prefill_dies_after_prefill_before_the_read(served, idle_free):
     """The window between a prefill and the decode engine's read, hit exactly: prefill a request, SIGKILL the prefill
     engine, then hand its transfer parameters to a decode engine (what the router does next). The decode request
     ends - completed by recomputing, or failed with an error - within seconds, and the decode engine frees every
@@ -305,7 +306,7 @@ def test_prefill_dies_after_prefill_before_the_read(served):
     assert ray.get(decode.num_unfinished()) == 0
     assert reap(children) == []
     served.engines.pop("prefill-0")
-    assert_no_leaked_blocks(served)
+    assert_no_leaked_blocks(served, idle_free)
 
 
 async def run_decode(decode, prompt, sampling, params, rid):

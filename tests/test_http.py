@@ -17,7 +17,7 @@ import ray
 
 from actors.engine import free_port
 from cluster.core.config import DeployConfig
-from cluster.launch import start_cluster, start_http, stop_cluster
+from cluster.launch import serve, stop_cluster
 from tests.pd_helpers import metric, wait_for
 
 pytestmark = pytest.mark.engine
@@ -34,9 +34,8 @@ def served(ray_local, gdn_model):
         "transfer": {"verify": "all"},  # every request of this API's tests has its transferred bytes checked
     })
     t0 = time.monotonic()
-    cluster = start_cluster(cfg, progress=print)
+    cluster = serve(cfg, progress=print)
     try:
-        start_http(cluster, progress=print)
         print(f"cluster + HTTP up in {time.monotonic() - t0:.0f} s: {cluster.timings}")
         yield cluster
     finally:

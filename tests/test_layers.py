@@ -5,7 +5,9 @@ inside functions included):
       -> actors/     the Ray runtime: engine, coordinator, pool and front-end actors, the router, the connector
         -> cluster/core/   the pure core: shapes, layouts, planner, registry, deploy config, wire format
 
-A module imports from its own layer or the ones below it, never above; the core imports neither Ray nor vLLM."""
+A module imports from its own layer or the ones below it, never above; the core imports neither Ray nor vLLM. And no
+module but `actors/engine_client.py` calls an engine actor's methods: everything else talks to engines through
+`EngineClient`."""
 
 from __future__ import annotations
 
@@ -74,3 +76,60 @@ def test_the_check_sees_an_upward_import():
                                       "def f():\n    from cluster.core.planner import plan_pair\n")]
     assert names == ["actors.router", "ray", "cluster.launch", "cluster.core.planner"]
     assert [layer_of_module(n) for n in names] == ["actors", None, "entry", "core"]
+
+
+# ---- engines are reached only through actors/engine_client.py ------------------------------------------------------
+ENGINE_MODULES = sorted(ROOT.glob("actors/engine*.py"))
+CLIENT = ROOT / "actors" / "engine_client.py"
+
+
+def remote_methods(classes: set[str] | None = None, exclude: set[str] = frozenset()) -> set[str]:
+    """Public method names of the classes named `classes` (None: every class) in actors/ and cluster/, the mixins
+    an engine actor is made of included."""
+    names: set[str] = set()
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and (classes is None or node.name in classes) and node.name not in exclude:
+                names |= {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                          and not f.name.startswith("_")}
+    return names
+
+
+ENGINE_CLASSES = {"EngineActor", "ServingMixin", "PairsMixin", "VerifyMixin", "LoadMixin", "ProcessesMixin"}
+# engine methods no other class has (a coordinator's `register` or a transfer side's `checksums` stay out of the check)
+ENGINE_ONLY = remote_methods(ENGINE_CLASSES) - remote_methods(None, exclude=ENGINE_CLASSES | {"EngineClient"})
+
+
+def actor_calls(source: str) -> list[tuple[int, str]]:
+    """(line, method) of every `x.method.remote(...)` and `x.method.options(...).remote(...)` in `source`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "remote"):
+            continue
+        target = node.func.value
+        if isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute) and target.func.attr == "options":
+            target = target.func.value
+        if isinstance(target, ast.Attribute):
+            out.append((node.lineno, target.attr))
+    return out
+
+
+@pytest.mark.parametrize("path", [p for p in sorted([*SOURCES, *ROOT.glob("tests/*.py")]) if p != CLIENT],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_engines_are_called_only_through_the_engine_client(path):
+    calls = [(line, m) for line, m in actor_calls(path.read_text()) if m in ENGINE_ONLY]
+    assert not calls, f"{path.relative_to(ROOT)} calls engine actor methods directly (use EngineClient): {calls}"
+
+
+def test_the_engine_client_check_sees_a_direct_call():
+    """The oracle can fail: the engine methods it knows, and what a direct call would be judged."""
+    assert {"prefill", "submit_decode", "decode_channel", "load", "busy", "transfer_totals"} <= ENGINE_ONLY
+    assert "register" not in ENGINE_ONLY  # the coordinator has one too
+    source = "h.load.remote()\nh.decode_channel.options(num_returns='streaming').remote('c')\nclient.load()\n"
+    assert [m for _, m in actor_calls(source) if m in ENGINE_ONLY] == ["load", "decode_channel"]
+
+
+def test_every_engine_method_has_a_client_method():
+    from actors.engine_client import EngineClient
+
+    assert not remote_methods(ENGINE_CLASSES) - set(dir(EngineClient)), "engine methods EngineClient does not offer"

@@ -30,7 +30,7 @@ def pd(ray_local, gdn_model):
 
 @pytest.fixture(scope="module")
 def block(pd) -> int:
-    layouts = {r["layout"]["block_size"] for h in pd.engines.values() for r in ray.get(h.registration())["ranks"]}
+    layouts = {r["layout"]["block_size"] for h in pd.engines.values() for r in ray.get(h.registration()).ranks}
     assert len(layouts) == 1
     return layouts.pop()
 
