@@ -1,9 +1,10 @@
 """The one way to talk to an engine actor: `EngineClient`, and the typed messages that cross to and from it.
 
 Everything outside `actors/engine*.py` - the router, the coordinator, the pools, the HTTP front end, the launcher, the
-benchmarks and the tests - holds an `EngineClient`, never a bare actor handle. Each method starts one call on the
-engine actor and returns what Ray returns for it: an `ObjectRef` (await it in async code, `ray.get` it elsewhere) or,
-for the two output streams, an `ObjectRefGenerator`. What comes back is a dataclass where the project defines the
+benchmarks and the tests - holds an `EngineClient`, never a bare actor handle. Each engine method starts one call on
+the engine actor and returns what Ray returns for it: an `ObjectRef` (await it in async code, `ray.get` it
+elsewhere) or, for the two output streams, an `ObjectRefGenerator` (besides them: `named`, `kill`, and `verdict`, a
+coroutine). What comes back is a dataclass where the project defines the
 shape (`Registration`, `Leftovers`, `Prefilled`, `Load`, `Busy`, `Health`, `TransferTotals`); vLLM's own types
 (`SamplingParams`, `RequestOutput`) and vLLM's `kv_transfer_params` (a dict vLLM's connector API defines) cross as
 they are, and so do the workers' own JSON reports (each rank's registration report and transfer records, which the

@@ -53,7 +53,7 @@ class PairsMixin:
     async def register(self, coordinator: Any, registration: Registration | None = None) -> dict[str, Any]:
         """Register with the coordinator (which pushes negotiated plans to decode engines). `registration` lets a
         caller pass an edited registration (tests of what the coordinator does with wrong values)."""
-        self._coordinator = coordinator  # transfer.verify asks it for prefill engines' handles
+        self._coordinator = coordinator  # transfer.verify asks it for prefill engines' clients
         me = EngineClient(self._self_handle(), self.engine_id)
         return await coordinator.register.remote(registration or await self.registration(), me)
 

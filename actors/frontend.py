@@ -1,7 +1,8 @@
 """The HTTP front door: vLLM's own OpenAI server with the whole cluster behind it as one engine.
 
 vLLM's frontend does everything a client sees - its FastAPI app, protocol models, chat templates, sampling-parameter
-conversion, logprob and SSE formatting, /tokenize and /detokenize - and calls an `EngineClient` for generation.
+conversion, logprob and SSE formatting, /tokenize and /detokenize - and calls vLLM's `EngineClient` protocol for
+generation (not the project's `actors.engine_client.EngineClient`, which the router uses to reach each engine).
 `ClusterEngineClient` is that engine client: each request goes through the router to a prefill engine and a decode
 engine (`actors.router`), and the decode engine's own vLLM `RequestOutput`s come back (batched per engine step over
 one channel per decode engine: a local socket on this node, a Ray stream across nodes) to vLLM's formatting. The project's own code here is only what P/D serving adds:

@@ -339,7 +339,7 @@ class Router:
             return
         # the prefill engine sampled the first token: it goes out now; the decode engine continues from it
         def let_go() -> None:  # no decode engine will read the state the prefill engine holds for it
-            self._background(self._release_prefill(prefill, prefilled.remote_request_id))
+            self._background(self._release_prefill(prefill, prefilled))
 
         reason = first.outputs[0].finish_reason if first.outputs else "no output"
         if reason not in ("length", "stop") or not first.outputs[0].token_ids:  # aborted (the engine is stopping)
@@ -445,7 +445,7 @@ class Router:
                 except Exception:  # noqa: BLE001 - the engine may be gone
                     pass
                 if prefill is not None and prefilled is not None:
-                    self._background(self._release_prefill(prefill, prefilled.remote_request_id))
+                    self._background(self._release_prefill(prefill, prefilled))
 
     def _background(self, coro) -> None:
         """Run clean-up to completion even though the request's own task is being cancelled."""
@@ -453,13 +453,14 @@ class Router:
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
 
-    async def _release_prefill(self, prefill: EngineClient, remote_request_id: str) -> None:
+    async def _release_prefill(self, prefill: EngineClient, prefilled: Prefilled) -> None:
         """Free the prefill side's blocks of a request whose decode side ended early (a no-op when the decode
         engine already read them)."""
+        remote_id = prefilled.kv_transfer_params.get("remote_request_id")
         try:
-            await asyncio.wait_for(prefill.release([remote_request_id]), 10)
+            await asyncio.wait_for(prefill.release([remote_id]), 10)
         except Exception as e:  # noqa: BLE001 - best effort; vLLM's lease expiry remains the fallback
-            log.warning("could not release prefill blocks of %s: %s", remote_request_id, e)
+            log.warning("could not release prefill blocks of %s: %s", remote_id, e)
 
     async def _cancel_prefill(self, prefill: EngineClient, ref: Any) -> None:
         """Cancel a prefill nobody waits for; if it finished first, free the blocks it holds for a decode engine."""
@@ -470,7 +471,7 @@ class Router:
             prefilled = await asyncio.wait_for(ref, 30)
         except Exception:  # noqa: BLE001 - cancelled (the usual case) or failed: nothing is held
             return
-        await self._release_prefill(prefill, prefilled.remote_request_id)
+        await self._release_prefill(prefill, prefilled)
 
 
 class _Inbox:

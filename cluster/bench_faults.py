@@ -77,15 +77,17 @@ def free_blocks(engines: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def blocks_held(engines: dict[str, Any], idle: dict[str, int], timeout_s: float) -> tuple[dict[str, int], float]:
+def blocks_held(engines: dict[str, Any], idle: dict[str, int],
+                timeout_s: float) -> tuple[dict[str, int | None], float]:
     """Wait up to `timeout_s` until every engine of `idle` still in `engines` is back to its idle free block count
-    (nothing held for requests that are over). Returns the blocks each still holds (all 0: nothing leaked) and the
-    seconds it waited. Also what tests/test_faults.py checks after each fault."""
+    (nothing held for requests that are over). Returns the blocks each still holds (None: it did not answer; all 0:
+    nothing leaked) and the seconds it waited. Also what tests/test_faults.py checks after each fault."""
     t0 = time.monotonic()
     while True:
-        free = free_blocks({e: c for e, c in engines.items() if e in idle})
-        held = {e: idle[e] - n for e, n in free.items()}
-        if not any(held.values()) or time.monotonic() - t0 > timeout_s:
+        survivors = [e for e in engines if e in idle]
+        free = free_blocks({e: engines[e] for e in survivors})
+        held = {e: idle[e] - free[e] if e in free else None for e in survivors}
+        if all(n == 0 for n in held.values()) or time.monotonic() - t0 > timeout_s:
             return held, time.monotonic() - t0
         time.sleep(0.2)
 
@@ -176,7 +178,7 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
     return summarize(name, victim, res, t_kill, noticed, held, left, len(stragglers), metrics, args)
 
 
-def summarize(name: str, victim: str, res: Any, t_kill: float, noticed: float | None, held: dict[str, int],
+def summarize(name: str, victim: str, res: Any, t_kill: float, noticed: float | None, held: dict[str, int | None],
               left: list[str], stragglers: int, metrics: str, args: argparse.Namespace) -> dict[str, Any]:
     """One scenario's row: outcomes, 503s after the death was noticed, latencies before and in the fault window."""
     from cluster.loadgen import percentile_ms
@@ -203,7 +205,8 @@ def summarize(name: str, victim: str, res: Any, t_kill: float, noticed: float | 
         "ttft_p50_ms_fault": percentile_ms(during_ttft, 50), "ttft_p99_ms_fault": percentile_ms(during_ttft, 99),
         "itl_p50_ms_before": percentile_ms(before_itl, 50), "itl_p99_ms_before": percentile_ms(before_itl, 99),
         "itl_p50_ms_fault": percentile_ms(during_itl, 50), "itl_p99_ms_fault": percentile_ms(during_itl, 99),
-        "blocks_held_after": sum(held.values()), "shm_left": len(left), "stragglers_killed": stragglers,
+        # None: a surviving engine did not answer (not a pass)
+        "blocks_held_after": None if None in held.values() else sum(held.values()), "shm_left": len(left), "stragglers_killed": stragglers,
         "first_errors": res.errors[:3],
     }
     for metric, key in (("pd_requests_failed_over_total", "failed_over"), ("pd_requests_retried_total", "retried"),

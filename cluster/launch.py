@@ -514,7 +514,9 @@ def main(argv: list[str]) -> int:
     say(f"Ray: {'joined ' + address if address else 'local instance'}")
     cluster = None
     try:
-        cluster = serve(cfg, shutdown_serve=not address)
+        # `serve`'s two steps by hand: once the cluster exists, its clean-up below runs with the signals ignored
+        cluster = start_cluster(cfg)
+        start_http(cluster)
         check = self_check(cluster, api_key)
         say(f"self-check: 16 tokens streamed, first after {check['ttft_ms']:.0f} ms, all after {check['total_ms']:.0f} ms")
         say(f"ready in {time.monotonic() - t0:.0f} s: {cluster.url}/v1/completions  (model {cfg.model.name})")

@@ -34,7 +34,7 @@ def prompts(seed: int = 5, lengths=(3, 60, 200, 700)) -> list[list[int]]:
 
 
 class PDCluster:
-    """A coordinator and engines started together; `engines[(role, tp)]` -> handle."""
+    """A coordinator and engines started together; `engines[(role, tp)]` -> its `EngineClient`."""
 
     def __init__(self, model_dir, layout: list[tuple[str, int]], namespace: str,
                  engine_kwargs: dict[str, Any] | None = None,

@@ -54,8 +54,8 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return [1] + [rng.randrange(3, 1024) for _ in range(n - 1)]
 
 
-def layouts(handle) -> list[dict]:
-    return [r["layout"] for r in ray.get(handle.registration()).ranks]
+def layouts(engine) -> list[dict]:
+    return [r["layout"] for r in ray.get(engine.registration()).ranks]
 
 
 def kernel_block(logical_ids: list[int], pos: int, layout: dict) -> int:
@@ -97,8 +97,8 @@ def kv_crcs(pd, decode_key, p_blocks: list[int], d_blocks: list[int], num_tokens
 
 def test_each_engine_runs_its_own_physical_blocks_per_logical(pd):
     """What the engines report from vLLM's running layout, and the pairs the coordinator negotiated."""
-    for key, handle in pd.engines.items():
-        assert {(lay["block_size"], lay["kernel_block_size"]) for lay in layouts(handle)} == {(LOGICAL[key], KERNEL)}, key
+    for key, engine in pd.engines.items():
+        assert {(lay["block_size"], lay["kernel_block_size"]) for lay in layouts(engine)} == {(LOGICAL[key], KERNEL)}, key
     pairs = {(p["prefill"], p["decode"]) for p in ray.get(pd.coordinator.describe.remote())["pairs"]}
     assert pairs == {(P, D_TP2), (P, D_TP1)}
 

@@ -51,6 +51,7 @@ def idle_free(served) -> dict[str, int]:
     (tests add engines they start and drop the ones they kill)."""
     idle = free_blocks(served.engines)
     print(f"idle free blocks: {idle}")
+    assert idle.keys() == served.engines.keys(), "an engine did not say how many blocks it has free"
     return idle
 
 
@@ -77,7 +78,8 @@ def complete(url: str, prompt: list[int], max_tokens: int = 8) -> dict:
 def assert_no_leaked_blocks(cluster, idle: dict[str, int], timeout_s: float = 10.0) -> None:
     """Every surviving engine's free block count returns to its idle value (nothing held for dead requests)."""
     held, took = blocks_held(cluster.engines, idle, timeout_s)
-    assert not any(held.values()), f"blocks leaked (held per engine, after {took:.1f} s): {held}"
+    assert held and all(n == 0 for n in held.values()), \
+        f"blocks leaked (held per engine, None: no answer; after {took:.1f} s): {held}"
     print(f"free blocks back to idle on {sorted(held)} ({took:.2f} s)")
 
 
