@@ -17,8 +17,8 @@ import psutil
 import pytest
 import ray
 
-from actors.engine_client import ENGINE_PREFIX
 from actors.engine import free_port, launch_engine_actor, stop_engine_actor
+from actors.engine_client import ENGINE_PREFIX
 from cluster.bench_faults import blocks_held, free_blocks
 from cluster.bench_faults import kill_engine as bench_kill_engine
 from cluster.core.config import DeployConfig
