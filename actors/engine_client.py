@@ -113,11 +113,6 @@ class Prefilled:
     prompt_logprobs: Any = None
     first: Any = None
 
-    @property
-    def remote_request_id(self) -> str:
-        """The request's id on the prefill engine (what `release` frees)."""
-        return self.kv_transfer_params["remote_request_id"]
-
 
 @dataclass(frozen=True)
 class Leftovers:
@@ -157,8 +152,6 @@ class EngineClient:
     """One engine actor (`actors.engine.EngineActor`), by handle. Picklable (it crosses Ray inside the coordinator's
     answers); two clients of one actor are equal."""
 
-    __slots__ = ("handle", "engine_id")
-
     def __init__(self, handle: Any, engine_id: str | None = None):
         self.handle, self.engine_id = handle, engine_id
 
@@ -175,12 +168,6 @@ class EngineClient:
 
     def __hash__(self) -> int:
         return hash(self.handle)
-
-    def __getstate__(self) -> tuple[Any, str | None]:
-        return self.handle, self.engine_id
-
-    def __setstate__(self, state: tuple[Any, str | None]) -> None:
-        self.handle, self.engine_id = state
 
     # ---- life ------------------------------------------------------------------------------------------------------
     def start(self, timeout_s: float | None = None) -> "ObjectRef[float]":
