@@ -10,7 +10,9 @@ The client is `vllm.benchmarks.serve` run unmodified in a subprocess (through it
 `vllm` command cannot find its own package metadata). Its saved results are collected; the table gives TTFT, TPOT and
 ITL p50/p99, requests/s and output tokens/s, each target's ratio to vLLM's colocated server, and the run is written
 to results/bench_serve.json and .png. Engines get the same per-engine environment as the cluster's (2-core hosts:
-explicit OpenMP binding, passive OpenMP waiting, 1 GiB of KV cache).
+explicit OpenMP binding, passive OpenMP waiting, 1 GiB of KV cache), and every engine of every target runs with the
+same prefix-caching setting (`--prefix-caching`, off by default: vLLM's "align" mode for GDN/Mamba state, which prefix
+caching needs, made a 512-token prefill ~25% slower here, and random prompts share no prefix to gain from it).
 """
 
 from __future__ import annotations
@@ -71,12 +73,12 @@ def _engine_env(tp: int, port: int) -> dict[str, str]:
 
 
 def _vllm_server(model_dir: str, name: str, tp: int, port: int, log: Path, kv_role: str | None = None,
-                 side_port: int | None = None) -> subprocess.Popen:
+                 side_port: int | None = None, prefix_caching: bool = False) -> subprocess.Popen:
     from actors.engine import free_port
 
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
             name, "-tp", str(tp), "--distributed-executor-backend", "mp", "--dtype", "bfloat16", "--max-model-len",
-            "2048", "--enforce-eager", "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
+            "2048", "--enforce-eager", "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
             "--disable-uvicorn-access-log"]
     if kv_role:
         argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
@@ -129,7 +131,8 @@ def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[
     return rows
 
 
-def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int) -> list[dict]:
+def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int,
+                  prefix_caching: bool = False, local_prefill_queue: int | None = 2) -> list[dict]:
     import ray
 
     from actors.engine import free_port
@@ -138,8 +141,10 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
 
     cfg = DeployConfig.model_validate({
         "model": {"path": model_dir, "name": "tiny-hybrid"},
-        "prefill": {"tp": p_tp}, "decode": {"tp": d_tp},
+        "prefill": {"tp": p_tp, "enable_prefix_caching": prefix_caching},
+        "decode": {"tp": d_tp, "enable_prefix_caching": prefix_caching},
         "coordinator": {"name": "coordinator-bench-serve", "namespace": "pd-bench-serve"},
+        "transfer": {"local_prefill_queue": local_prefill_queue},
         "http": {"port": free_port()},
     })
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pd-bench-serve")
@@ -153,11 +158,13 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
         ray.shutdown()
 
 
-def bench_vllm_server(model_dir: str, d_tp: int, loads, input_len: int, output_len: int, logs: Path) -> list[dict]:
+def bench_vllm_server(model_dir: str, d_tp: int, loads, input_len: int, output_len: int, logs: Path,
+                      prefix_caching: bool = False) -> list[dict]:
     from actors.engine import free_port
 
     port = free_port()
-    procs = [_vllm_server(model_dir, "tiny-hybrid", d_tp, port, logs / "vllm-server.log")]
+    procs = [_vllm_server(model_dir, "tiny-hybrid", d_tp, port, logs / "vllm-server.log",
+                          prefix_caching=prefix_caching)]
     try:
         print(f"  vllm: server up in {_wait_http(f'http://127.0.0.1:{port}', procs):.0f} s", flush=True)
         return _measure("vllm", f"http://127.0.0.1:{port}", "tiny-hybrid", model_dir, loads, input_len, output_len)
@@ -166,12 +173,14 @@ def bench_vllm_server(model_dir: str, d_tp: int, loads, input_len: int, output_l
 
 
 def bench_stock_pd(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int, logs: Path,
-                   timeout_s: float = 600) -> list[dict]:
+                   timeout_s: float = 600, prefix_caching: bool = False) -> list[dict]:
     from actors.engine import free_port
 
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
-    procs = [_vllm_server(model_dir, "tiny-hybrid", p_tp, p_port, logs / "stock-prefill.log", "kv_producer"),
-             _vllm_server(model_dir, "tiny-hybrid", d_tp, d_port, logs / "stock-decode.log", "kv_consumer")]
+    procs = [_vllm_server(model_dir, "tiny-hybrid", p_tp, p_port, logs / "stock-prefill.log", "kv_producer",
+                          prefix_caching=prefix_caching),
+             _vllm_server(model_dir, "tiny-hybrid", d_tp, d_port, logs / "stock-decode.log", "kv_consumer",
+                          prefix_caching=prefix_caching)]
     try:
         took = max(_wait_http(f"http://127.0.0.1:{p}", procs) for p in (p_port, d_port))
         procs.append(subprocess.Popen(
@@ -242,20 +251,25 @@ def main(args: Any) -> int:
     stock_loads = [(1, args.stock_prompts_c1), (8, args.stock_prompts_c8)]
     rows: list[dict] = []
     targets = args.targets.split(",")
+    caching = args.prefix_caching == "on"
     print(f"bench serve: {args.model}, prompts of {args.input_len} tokens, {args.output_len} out, P TP {args.prefill_tp} "
-          f"+ D TP {args.decode_tp}; targets {', '.join(targets)}", flush=True)
+          f"+ D TP {args.decode_tp}, prefix caching {args.prefix_caching} on every engine, the cluster's local prefill "
+          f"queue {args.local_prefill_queue}; targets "
+          f"{', '.join(targets)}", flush=True)
     if "cluster" in targets:
-        rows += bench_cluster(model_dir, args.prefill_tp, args.decode_tp, loads, args.input_len, args.output_len)
+        rows += bench_cluster(model_dir, args.prefill_tp, args.decode_tp, loads, args.input_len, args.output_len,
+                              caching, None if args.local_prefill_queue == "off" else int(args.local_prefill_queue))
     if "vllm" in targets:
-        rows += bench_vllm_server(model_dir, args.decode_tp, loads, args.input_len, args.output_len, logs)
+        rows += bench_vllm_server(model_dir, args.decode_tp, loads, args.input_len, args.output_len, logs, caching)
     if "stock-pd" in targets:
         rows += bench_stock_pd(model_dir, args.prefill_tp, args.decode_tp, stock_loads, args.input_len,
-                               args.output_len, logs, args.stock_timeout)
+                               args.output_len, logs, args.stock_timeout, caching)
     print("\n".join(table(rows)))
     path = out_dir / "bench_serve.json"
     path.write_text(json.dumps({"benchmark": "serve", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": args.model,
                                 "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "input_len": args.input_len,
-                                "output_len": args.output_len, "rows": rows}, indent=2))
+                                "output_len": args.output_len, "prefix_caching": args.prefix_caching,
+                                "local_prefill_queue": args.local_prefill_queue, "rows": rows}, indent=2))
     plot(rows, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
@@ -273,6 +287,11 @@ def add_args(p: Any) -> None:
     p.add_argument("--stock-prompts-c8", type=int, default=8, help="prompts at concurrency 8 for vLLM's stock P/D")
     p.add_argument("--stock-timeout", type=float, default=600, help="seconds per load level for vLLM's stock P/D "
                    "(it can stall on 2 cores: its NIXL progress threads spin); a level that runs out is reported")
+    p.add_argument("--prefix-caching", choices=("off", "on"), default="off",
+                   help="vLLM's prefix caching on every engine of every target (default off: the random prompts share "
+                        "no prefix, and for GDN/Mamba layers it costs prefill time - vLLM's 'align' state mode)")
+    p.add_argument("--local-prefill-queue", default="2", help="the cluster's transfer.local_prefill_queue (default "
+                   "2, as deploy.yaml; off: every request disaggregated)")
     p.add_argument("--targets", default="cluster,vllm,stock-pd")
     p.add_argument("--out-dir", default="results")
 
