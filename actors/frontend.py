@@ -59,6 +59,7 @@ class FrontendSettings:
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 2
     first_token_from_prefill: bool = True
+    local_prefill_queue: int | None = None
 
 
 def vllm_args(settings: FrontendSettings):
@@ -368,7 +369,8 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
     args = vllm_args(settings)
     vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     metrics = ServiceMetrics()
-    router = Router(coordinator, first_token_from_prefill=settings.first_token_from_prefill)
+    router = Router(coordinator, first_token_from_prefill=settings.first_token_from_prefill,
+                    local_prefill_queue=settings.local_prefill_queue)
     client = cluster_engine_client(vllm_config, router, metrics)
     tasks = await client.get_supported_tasks()
     app = build_app(args, tasks, vllm_config.model_config)
@@ -454,7 +456,7 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
     return {"pools": pools, "transfers": totals, "cached_prompt_tokens": cached, "retried": router.retried,
             "scaling": desc.get("pools", {}), "colocated": dict(router.colocated), "degraded": router.degraded,
             "failed_over": router.failed_over, "first_from_prefill": router.first_from_prefill,
-            "stale_routed": router.stale_routed}
+            "stale_routed": router.stale_routed, "local_prefill": router.local_prefill}
 
 
 @ray.remote(num_cpus=0)

@@ -101,12 +101,16 @@ class Router:
     samples the first token of the requests that allow it (see the module's docstring), which reaches the client
     without waiting for the transfer and a decode step."""
 
-    def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True):
+    def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True,
+                 local_prefill_queue: int | None = None):
         if decode_transport not in TRANSPORTS:
             raise ValueError(f"decode_transport must be one of {TRANSPORTS}, not {decode_transport!r}")
+        if local_prefill_queue is not None and local_prefill_queue < 0:
+            raise ValueError(f"local_prefill_queue must be >= 0 or None, not {local_prefill_queue!r}")
         self.coordinator = coordinator
         self.decode_transport = decode_transport
         self.first_token_from_prefill = first_token_from_prefill
+        self.local_prefill_queue = local_prefill_queue
         self.inflight: Counter[str] = Counter()
         self._engines: dict[str, EngineClient] = {}
         self._rr = itertools.count()
@@ -117,6 +121,7 @@ class Router:
         self.retried = 0  # requests retried on another pair after an engine failure
         self.failed_over = 0  # streams continued on another pair after their engine failed mid-stream
         self.first_from_prefill = 0  # requests whose first token the prefill engine sampled
+        self.local_prefill = 0  # requests their decode engine prefilled itself: their prefill engine was backlogged
         # degraded mode: requests served whole by one engine while no pair is ready, by the serving engine's role;
         # the role serving that way now (None: pairs are serving)
         self.colocated: Counter[str] = Counter()
@@ -314,6 +319,15 @@ class Router:
             raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
         d_id = pair[1] if pair else self._pick(decodes)
         prefill, decode = await self.engine(p_id, "prefill"), await self.engine(d_id, "decode")
+        if pair is None and self.local_prefill_queue is not None and self.inflight[p_id] >= self.local_prefill_queue:
+            # conditional disaggregation: the least-loaded prefill engine already has its queue; the decode engine
+            # computes this prompt in its own steps instead, with no transfer (vLLM's chunked prefill)
+            self.local_prefill += 1
+            async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, None,
+                                                        continued=continued)) as outs:
+                async for out in outs:
+                    yield out
+            return
 
         first_token = self.first_token_from_prefill and first_token_refused(params) is None
         self.inflight[p_id] += 1

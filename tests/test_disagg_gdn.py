@@ -381,6 +381,31 @@ class _LeavesAfterPrefill:
         return getattr(self._e, name)
 
 
+def test_a_backlogged_prefill_engine_leaves_the_prompt_to_the_decode_engine(pd):
+    """Conditional disaggregation (`transfer.local_prefill_queue`): with a queue of one, a request routed while its
+    prefill engine still computes another's prompt is prefilled by its decode engine itself - no transfer - and both
+    answers are the model's. Without the limit, the same two requests are both disaggregated."""
+    from actors.router import Router
+
+    decode = pd.engines[("decode", 1)]
+
+    async def both(router, two):
+        return await asyncio.gather(*(run_router(router, p) for p in two))
+
+    for limit, local, seed in ((1, 1, 11), (None, 0, 12)):  # new prompts each time: nothing found in a prefix cache
+        two = prompts(seed=seed, lengths=(300, 280))
+        router = Router(pd.coordinator, local_prefill_queue=limit)
+        router._pick = lambda candidates: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
+        assert asyncio.run(run_router(router, prompts()[0])) == oracle(prompts()[0])  # routes and engines cached
+        assert router.local_prefill == 0  # nothing queued: disaggregated
+        ray.get(decode.transfer_stats())  # drain
+        assert asyncio.run(both(router, two)) == [oracle(p) for p in two], f"local_prefill_queue {limit}"
+        read = ray.get(decode.transfer_stats())
+        assert router.local_prefill == local and len(read) == 2 - local, (limit, router.local_prefill, read)
+    with pytest.raises(ValueError, match="local_prefill_queue"):
+        Router(pd.coordinator, local_prefill_queue=-1)
+
+
 @pytest.mark.parametrize("first", ["decode", "prefill"])
 def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd, first):
     """The race of a scale-down, caused for real at its worst moment: the prefill engine leaves between its prefill

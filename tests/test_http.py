@@ -418,6 +418,7 @@ def test_metrics(served, client):
     list(client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0, stream=True))
     text = httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert float(metric(text, "pd_first_tokens_from_prefill_total")) == before + 1  # streamed greedy: from prefill
+    assert float(metric(text, "pd_requests_local_prefill_total")) == 0  # transfer.local_prefill_queue unset
     assert float(metric(text, 'pd_requests_total{status="200"}')) >= 1
     assert float(metric(text, "pd_time_to_first_token_seconds_count")) >= 1
     assert float(metric(text, "pd_inter_token_latency_seconds_count")) >= 2

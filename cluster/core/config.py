@@ -176,6 +176,12 @@ class TransferConfig(_Strict):
         True, description="the prefill engine samples the first token of streamed requests that allow it (greedy or "
         "unseeded, no stop strings, penalties on generated tokens, bad words or structured output): it reaches the "
         "client without waiting for the transfer and a decode step")
+    local_prefill_queue: int | None = Field(
+        None, ge=0, description="conditional disaggregation: a request is prefilled by its decode engine itself (no "
+        "transfer) when the prefill engine chosen for it already has this many prompts in prefill from the front end; "
+        "null: every request is disaggregated. Where prefill and decode engines share cores (the embedded default), "
+        "a backlog at the prefill engine is better spent in the decode engine's own steps (vLLM's chunked prefill); "
+        "Dynamo's max_prefill_queue_size makes the same call")
 
     @field_validator("verify", mode="before")
     @classmethod

@@ -62,7 +62,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 class ServiceMetrics:
     """One registry per HTTP front end. `cluster_state` is set by the caller just before each scrape:
     {"pools": {(role, state): count}, "transfers": TransferTotals summed over the engines, "cached_prompt_tokens":
-    {role: n}, "retried": n, "failed_over": n, "first_from_prefill": n,
+    {role: n}, "retried": n, "failed_over": n, "first_from_prefill": n, "local_prefill": n,
     "colocated": {role: n}, "degraded": role serving whole requests or None,
     "scaling": the coordinator's `pools()` (decision counts, each pool's latest signal, the last decisions)}."""
 
@@ -127,7 +127,9 @@ class _ClusterCollector:
                 ("pd_requests_on_last_routes", "stale_routed", "Requests routed on the coordinator's last routes "
                  "while it did not answer (restarting)"),
                 ("pd_first_tokens_from_prefill", "first_from_prefill", "Requests whose first token the prefill "
-                 "engine sampled (transfer.first_token_from_prefill); the others' came from the decode engine")):
+                 "engine sampled (transfer.first_token_from_prefill); the others' came from the decode engine"),
+                ("pd_requests_local_prefill", "local_prefill", "Requests their decode engine prefilled itself, with no "
+                 "transfer, because their prefill engine was backlogged (transfer.local_prefill_queue)")):
             counter = CounterMetricFamily(name, help_)
             counter.add_metric([], float(state.get(key, 0)))
             yield counter
