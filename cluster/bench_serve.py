@@ -78,8 +78,8 @@ def _vllm_server(model_dir: str, name: str, tp: int, port: int, log: Path, kv_ro
 
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
             name, "-tp", str(tp), "--distributed-executor-backend", "mp", "--dtype", "bfloat16", "--max-model-len",
-            "2048", "--enforce-eager", "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
-            "--disable-uvicorn-access-log"]
+            "2048", "--enforce-eager", "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
     if kv_role:
         argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
                                                      "kv_buffer_device": "cpu"})]
@@ -254,11 +254,11 @@ def main(args: Any) -> int:
     caching = args.prefix_caching == "on"
     print(f"bench serve: {args.model}, prompts of {args.input_len} tokens, {args.output_len} out, P TP {args.prefill_tp} "
           f"+ D TP {args.decode_tp}, prefix caching {args.prefix_caching} on every engine, the cluster's local prefill "
-          f"queue {args.local_prefill_queue}; targets "
+          f"queue {'off' if args.local_prefill_queue is None else args.local_prefill_queue}; targets "
           f"{', '.join(targets)}", flush=True)
     if "cluster" in targets:
         rows += bench_cluster(model_dir, args.prefill_tp, args.decode_tp, loads, args.input_len, args.output_len,
-                              caching, None if args.local_prefill_queue == "off" else int(args.local_prefill_queue))
+                              caching, args.local_prefill_queue)
     if "vllm" in targets:
         rows += bench_vllm_server(model_dir, args.decode_tp, loads, args.input_len, args.output_len, logs, caching)
     if "stock-pd" in targets:
@@ -273,6 +273,16 @@ def main(args: Any) -> int:
     plot(rows, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def _queue(value: str) -> int | None:
+    import argparse
+
+    if value == "off":
+        return None
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"a number of prompts (0 or more) or off, not {value!r}")
+    return int(value)
 
 
 def add_args(p: Any) -> None:
@@ -290,7 +300,7 @@ def add_args(p: Any) -> None:
     p.add_argument("--prefix-caching", choices=("off", "on"), default="off",
                    help="vLLM's prefix caching on every engine of every target (default off: the random prompts share "
                         "no prefix, and for GDN/Mamba layers it costs prefill time - vLLM's 'align' state mode)")
-    p.add_argument("--local-prefill-queue", default="2", help="the cluster's transfer.local_prefill_queue (default "
+    p.add_argument("--local-prefill-queue", type=_queue, default=2, help="the cluster's transfer.local_prefill_queue (default "
                    "2, as deploy.yaml; off: every request disaggregated)")
     p.add_argument("--targets", default="cluster,vllm,stock-pd")
     p.add_argument("--out-dir", default="results")
