@@ -99,7 +99,9 @@ class Router:
     `decode_transport`: "auto" - decode outputs over a local ZeroMQ socket from engines on this node, over the Ray
     stream from the others; "ray" - always over the Ray stream. `first_token_from_prefill`: the prefill engine
     samples the first token of the requests that allow it (see the module's docstring), which reaches the client
-    without waiting for the transfer and a decode step."""
+    without waiting for the transfer and a decode step. `local_prefill_queue` (None: off): when the least-loaded
+    prefill engine already has that many of this router's prompts in prefill, the request goes whole to the decode
+    engine picked for it (conditional disaggregation; `local_prefill` counts them)."""
 
     def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True,
                  local_prefill_queue: int | None = None):

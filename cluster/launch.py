@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 SERVE_CONTROL_LOOP_S = os.environ.get("PD_SERVE_CONTROL_LOOP_S", "0.5")  # Serve's controller loop period (Ray: 0.1)
 
+
 def say(msg: str) -> None:
     print(f"[hybrid-pd {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
