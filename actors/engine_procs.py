@@ -30,10 +30,18 @@ def private_tmpdir() -> str:
     """Give this process (an engine actor) a private TMPDIR, which vLLM's processes inherit (file stores, IPC
     sockets) and `shutdown` removes. It has to be the actor's own environment, set before vLLM starts its processes:
     the directory is made on the engine's node, so the launcher cannot name it in the runtime_env. torch.compile's
-    cache stays in the shared default place."""
+    cache stays in the shared default place.
+
+    Inductor's precompiled headers do not follow TORCHINDUCTOR_CACHE_DIR: torch 2.13 keeps them under
+    `tempfile.gettempdir()`, here the private directory, so every engine whose processes compile a kernel (vLLM
+    compiles a few small ops even in eager mode: the TP > 1 vocabulary mask, some samplers) built a 150 MB header of
+    its own with g++ -O3 (~12 s of a core each time) before it could use the kernel already in the shared cache. Off
+    (`TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0`, unless set): cached kernels load with no compiler run, and a
+    kernel compiled for the first time on a machine compiles without the header."""
     os.environ.setdefault(
         "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     )
+    os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
     tmpdir = tempfile.mkdtemp(prefix=TMPDIR_PREFIX)
     os.environ["TMPDIR"] = tmpdir
     tempfile.tempdir = None  # make tempfile re-read TMPDIR
