@@ -34,7 +34,7 @@ def private_tmpdir() -> str:
 
     Inductor's precompiled headers do not follow TORCHINDUCTOR_CACHE_DIR: torch 2.13 keeps them under
     `tempfile.gettempdir()`, here the private directory, so every engine whose processes compile a kernel (vLLM
-    compiles a few small ops even in eager mode: the TP > 1 vocabulary mask, some samplers) built a 150 MB header of
+    compiles a few small ops even in eager mode, e.g. the TP > 1 vocabulary mask) built a 150 MB header of
     its own with g++ -O3 (~12 s of a core each time) before it could use the kernel already in the shared cache. Off
     (`TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0`, unless set): cached kernels load with no compiler run, and a
     kernel compiled for the first time on a machine compiles without the header."""
