@@ -22,7 +22,6 @@ Typical use:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import random
@@ -180,17 +179,12 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         if self.engine is not None:
             return self.startup_s
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**self.kwargs)
         t0 = time.monotonic()
         try:
-            # the engine serves vLLM's OpenAI API (actors.frontend): it takes the batch defaults vLLM's OpenAI server
-            # gives its engine (on CPU: 2048 batched tokens and 128 sequences per TP rank), not a bare AsyncLLM's
-            # (2048 and 128 at any TP); engine_kwargs that set them win
-            start = functools.partial(AsyncLLM.from_engine_args, args, usage_context=UsageContext.OPENAI_API_SERVER)
-            self.engine = await asyncio.wait_for(asyncio.to_thread(start), timeout_s)
+            self.engine = await asyncio.wait_for(asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"vLLM engine for {self.model_dir} (TP {self.tp}) did not start within {timeout_s:.0f} s; a common "
