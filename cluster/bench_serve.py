@@ -310,10 +310,13 @@ def check_targets(summary: list[dict]) -> list[str]:
         mine, stock = per.get(("cluster", conc)), per[("stock-pd", conc)]
         if mine is None:
             continue
+        head = f"concurrency {conc}: ahead of vLLM's stock P/D on every figure: "
+        if all(stock[k] is None for k in METRICS):  # nothing finished: no figure to be behind on
+            lines.append(head + f"met (vLLM's stock P/D: {stock['failed']})")
+            continue
         behind = [k for k in METRICS if mine[k] is not None and stock[k] is not None
                   and (mine[k] > stock[k] if k in LOWER_IS_BETTER else mine[k] < stock[k])]
-        lines.append(f"concurrency {conc}: ahead of vLLM's stock P/D on every figure: "
-                     + ("met" if not behind else f"MISSED (behind on {', '.join(behind)})"))
+        lines.append(head + ("met" if not behind else f"MISSED (behind on {', '.join(behind)})"))
     return lines
 
 

@@ -71,6 +71,10 @@ def test_targets_verdicts_see_each_bound():
     behind = run(1.0, 1.0, 1.0, 0.5)  # stock P/D twice as fast on everything: behind on all eight figures
     assert behind[3].startswith("concurrency 1: ahead of vLLM's stock P/D on every figure: MISSED")
     assert all(k in behind[3] for k in METRICS)
+    rows = [_row("cluster", 8, 1, 1.0), _row("vllm", 8, 1, 1.0),
+            {**_row("stock-pd", 8, 1, 1.0), "failed": "timed out after 600 s", **{k: None for k in METRICS}}]
+    (timed_out,) = check_targets(summarize(rows))[3:]
+    assert timed_out.endswith("met (vLLM's stock P/D: timed out after 600 s)"), timed_out
 
 
 def test_table_prints_the_median_ratio():
