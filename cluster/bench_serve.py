@@ -278,8 +278,8 @@ def ratios(rows: list[dict]) -> dict[tuple[str, int], dict[str, list[float]]]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One row per (target, concurrency): the median over rounds of each figure, `failed` summed, and `ratio`: per
-    metric the median of the per-round ratios to vLLM's server (see `ratios`)."""
+    """One row per (target, concurrency): the median over rounds of each figure, `failed` summed, `ratio`: per
+    metric the median of the per-round ratios to vLLM's server (see `ratios`), and `round_ratios`: those ratios."""
     per_round = ratios(rows)
     out = []
     for key in dict.fromkeys((r["target"], r["concurrency"]) for r in rows):
@@ -289,7 +289,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "failed": sum(fails) if all(isinstance(f, int) for f in fails) else "; ".join(map(str, fails)),
                     **{k: (_median([r[k] for r in mine if r[k] is not None]) if any(r[k] is not None for r in mine)
                            else None) for k in METRICS},
-                    "ratio": {k: _median(v) for k, v in per_round.get(key, {}).items()}})
+                    "ratio": {k: _median(v) for k, v in per_round.get(key, {}).items()},
+                    "round_ratios": per_round.get(key, {})})
     return out
 
 
@@ -305,7 +306,9 @@ def check_targets(summary: list[dict]) -> list[str]:
             continue
         r = s["ratio"][key]
         met = r <= bound if op == "<=" else r >= bound
-        lines.append(f"{label}: {r:.2f}x of vLLM's server ({op} {bound}x: {'met' if met else 'MISSED'})")
+        each = ", ".join(f"{x:.2f}x" for x in s["round_ratios"][key])
+        verdict = "met" if met else "MISSED"
+        lines.append(f"{label}: {r:.2f}x of vLLM's server (rounds: {each}) ({op} {bound}x: {verdict})")
     for conc in sorted({c for t, c in per if t == "stock-pd"}):
         mine, stock = per.get(("cluster", conc)), per[("stock-pd", conc)]
         if mine is None:

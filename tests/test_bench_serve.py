@@ -68,6 +68,7 @@ def test_targets_verdicts_see_each_bound():
     missed = run(1.2, 1.6, 0.75, 5.0)
     assert all(line.endswith("MISSED)") for line in missed[:3]), missed
     assert "1.20x" in missed[0] and "1.60x" in missed[1] and "0.75x" in missed[2]
+    assert "(rounds: 1.20x, 1.20x)" in missed[0]  # every round's ratio beside the median
     behind = run(1.0, 1.0, 1.0, 0.5)  # stock P/D twice as fast on everything: behind on all eight figures
     assert behind[3].startswith("concurrency 1: ahead of vLLM's stock P/D on every figure: MISSED")
     assert all(k in behind[3] for k in METRICS)
