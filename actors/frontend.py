@@ -389,13 +389,16 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
             ready = {role: await asyncio.wait_for(coordinator.ready.remote(role), 5) for role in ("prefill", "decode")}
             routes = await asyncio.wait_for(coordinator.routes.remote(), 5)
         except Exception as e:  # noqa: BLE001 - coordinator down or slow: unavailable, not an error page
-            try:  # the router serves on the coordinator's last routes while it restarts
+            try:  # what requests are routed on now: the coordinator's answer, or its last routes while it restarts
                 routes = await router.routes()
             except Exception:  # noqa: BLE001 - no routes to fall back on
                 routes = {}
-            if router.coordinator_unreachable and any(routes.values()):
-                return {"status": "ok", "model": settings.model_name, "coordinator": "unreachable: serving on its "
-                        "last routes", "ready": {"prefill": len(routes), "decode": len({d for ds in routes.values() for d in ds})}}
+            if any(routes.values()):  # the coordinator may be back by now (a restart takes seconds): still "ok"
+                body = {"status": "ok", "model": settings.model_name, "ready": {
+                    "prefill": len(routes), "decode": len({d for ds in routes.values() for d in ds})}}
+                if router.coordinator_unreachable:
+                    body["coordinator"] = "unreachable: serving on its last routes"
+                return body
             return JSONResponse({"status": "unavailable", "model": settings.model_name, "error": type(e).__name__},
                                 status_code=503, headers=retry)
         paired = any(routes.values())
