@@ -382,31 +382,9 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
 
     @app.get("/health")
     async def health():
-        """200 "ok" while a prefill/decode pair is ready; 200 "degraded" while only one pool has ready engines (they
-        serve requests whole); 200 "ok" with "coordinator": "unreachable..." while the coordinator does not answer
-        and the router serves on its last routes; 503 (with Retry-After) when no engine can serve."""
-        try:
-            ready = {role: await asyncio.wait_for(coordinator.ready.remote(role), 5) for role in ("prefill", "decode")}
-            routes = await asyncio.wait_for(coordinator.routes.remote(), 5)
-        except Exception as e:  # noqa: BLE001 - coordinator down or slow: unavailable, not an error page
-            try:  # what requests are routed on now: the coordinator's answer, or its last routes while it restarts
-                routes = await router.routes()
-            except Exception:  # noqa: BLE001 - no routes to fall back on
-                routes = {}
-            if any(routes.values()):  # the coordinator may be back by now (a restart takes seconds): still "ok"
-                body = {"status": "ok", "model": settings.model_name, "ready": {
-                    "prefill": len(routes), "decode": len({d for ds in routes.values() for d in ds})}}
-                if router.coordinator_unreachable:
-                    body["coordinator"] = "unreachable: serving on its last routes"
-                return body
-            return JSONResponse({"status": "unavailable", "model": settings.model_name, "error": type(e).__name__},
-                                status_code=503, headers=retry)
-        paired = any(routes.values())
-        status = "ok" if paired else "degraded" if ready["prefill"] or ready["decode"] else "unavailable"
-        body = {"status": status, "model": settings.model_name, "ready": {k: len(v) for k, v in ready.items()}}
-        if status == "degraded":
-            body["serving"] = "prefill engines decode" if ready["prefill"] else "decode engines prefill"
-        return body if status != "unavailable" else JSONResponse(body, status_code=503, headers=retry)
+        """See `health_report`."""
+        code, body = await health_report(coordinator, router, settings.model_name)
+        return body if code == 200 else JSONResponse(body, status_code=code, headers=retry)
 
     @app.get("/metrics", response_class=Response)
     async def metrics_route(request: Request):
@@ -430,6 +408,35 @@ def _key_ok(request: Any, key: str) -> bool:
 
     got = request.headers.get("authorization", "")
     return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
+
+
+async def health_report(coordinator: Any, router: Router, model_name: str, timeout_s: float = 5) -> tuple[int, dict]:
+    """/health's status code and body: 200 "ok" while a prefill/decode pair is ready; 200 "degraded" while only one
+    pool has ready engines (they serve requests whole); 200 "ok" with "coordinator": "unreachable..." while the
+    coordinator does not answer and the router serves on its last routes; 503 when no engine can serve. Asked while
+    the coordinator restarts, it can fail the first question and answer the router's: what requests are routed on
+    decides, so /health never says 503 while they are served."""
+    try:
+        ready = {role: await asyncio.wait_for(coordinator.ready.remote(role), timeout_s) for role in ("prefill", "decode")}
+        routes = await asyncio.wait_for(coordinator.routes.remote(), timeout_s)
+    except Exception as e:  # noqa: BLE001 - coordinator down or slow: unavailable, not an error page
+        try:  # what requests are routed on now: the coordinator's answer, or its last routes while it restarts
+            routes = await router.routes()
+        except Exception:  # noqa: BLE001 - no routes to fall back on
+            routes = {}
+        if any(routes.values()):
+            body = {"status": "ok", "model": model_name, "ready": {
+                "prefill": len(routes), "decode": len({d for ds in routes.values() for d in ds})}}
+            if router.coordinator_unreachable:
+                body["coordinator"] = "unreachable: serving on its last routes"
+            return 200, body
+        return 503, {"status": "unavailable", "model": model_name, "error": type(e).__name__}
+    paired = any(routes.values())
+    status = "ok" if paired else "degraded" if ready["prefill"] or ready["decode"] else "unavailable"
+    body = {"status": status, "model": model_name, "ready": {k: len(v) for k, v in ready.items()}}
+    if status == "degraded":
+        body["serving"] = "prefill engines decode" if ready["prefill"] else "decode engines prefill"
+    return (200 if status != "unavailable" else 503), body
 
 
 async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple[str, TransferTotals]]) -> dict[str, Any]:
