@@ -417,7 +417,8 @@ async def health_report(coordinator: Any, router: Router, model_name: str, timeo
     the coordinator restarts, it can fail the first question and answer the router's: what requests are routed on
     decides, so /health never says 503 while they are served."""
     try:
-        ready = {role: await asyncio.wait_for(coordinator.ready.remote(role), timeout_s) for role in ("prefill", "decode")}
+        ready = {role: await asyncio.wait_for(coordinator.ready.remote(role), timeout_s)
+                 for role in ("prefill", "decode")}
         routes = await asyncio.wait_for(coordinator.routes.remote(), timeout_s)
     except Exception as e:  # noqa: BLE001 - coordinator down or slow: unavailable, not an error page
         try:  # what requests are routed on now: the coordinator's answer, or its last routes while it restarts
