@@ -45,8 +45,8 @@ PAIRED = ({"prefill": ["prefill-0"], "decode": ["decode-0", "decode-1"]},
           {"prefill-0": ["decode-0", "decode-1"]})
 
 
-def report(coordinator: FakeCoordinator, router: Router | None = None) -> tuple[int, dict]:
-    return asyncio.run(health_report(coordinator, router or Router(coordinator), "m", timeout_s=1))
+def report(coordinator: FakeCoordinator) -> tuple[int, dict]:
+    return asyncio.run(health_report(coordinator, Router(coordinator), "m", timeout_s=1))
 
 
 def test_a_ready_pair_is_ok():
