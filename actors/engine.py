@@ -1,7 +1,8 @@
 """A vLLM engine (CPU build) inside a Ray actor.
 
 `EngineActor` hosts one `AsyncLLM` for a model directory at a tensor-parallel size. vLLM starts its own processes
-(EngineCore, one worker per TP rank) as plain subprocesses of the actor, so the actor itself takes `num_cpus=0`.
+as plain subprocesses of the actor (an EngineCore, and above TP 1 or on GPUs one worker per TP rank; a TP 1 CPU
+engine runs its model in its EngineCore, see `in_process_model`), so the actor itself takes `num_cpus=0`.
 The per-engine environment (`engine_env`) travels in the actor's `runtime_env`; vLLM's processes inherit it, and a
 private TMPDIR that the actor creates. Engines run eagerly by default (no torch.compile): startup ~15-30 s on
 2 cores instead of ~45-90 s. `kv_transfer_config` and `engine_kwargs` pass straight to vLLM's engine arguments.
@@ -81,9 +82,9 @@ def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = 2048, dtyp
         dtype=dtype,  # Qwen3-Next on CPU: the GDN kernel asserts "CPU GDN attention requires BF16."
         max_model_len=max_model_len,
         enable_prefix_caching=False,  # off unless asked: the deploy config turns it on (`cluster.launch.prefix_caching`)
-        # a process per rank; vLLM-CPU would turn "uni" into "mp" anyway (its OpenMP set-up needs a fresh process),
-        # and "ray" fails on CPU and would be auto-picked inside placement groups
-        distributed_executor_backend="mp",
+        # TP 1 on CPU: the model in the EngineCore process (`in_process_model`); otherwise a process per rank ("ray"
+        # fails on CPU and would be auto-picked inside placement groups)
+        distributed_executor_backend="uni" if in_process_model(tp, device) else "mp",
         disable_log_stats=True,
         # no torch.compile: on 2 cores a tiny model starts in ~15 s instead of ~45-90 s, and generates
         # fast enough; pass engine_kwargs={"enforce_eager": False} for the compiled path
@@ -264,12 +265,50 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         return ray.get_runtime_context().current_actor
 
 
-def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None) -> dict[str, str]:
-    """The environment an engine actor (and vLLM's processes under it) runs with: `engine_env`, and on a prefill
-    engine, which takes a step per request, message-queue readers that nap instead of spinning (vllm_plugin)."""
-    env = engine_env(tp, extra_env)
+def in_process_model(tp: int, device: str = "cpu", engine_kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether an engine runs its model in its EngineCore process (vLLM's "uni" executor) rather than in a worker
+    process under it: TP 1 CPU engines, unless `engine_kwargs` name another executor. One process fewer per engine -
+    and importing vLLM costs ~15 s of CPU per process on these machines: a TP 1 prefill engine joined `bench serve`'s
+    cluster in 30-34 s instead of 53-62 s, and measured the same day against vLLM's server, concurrency 1 TPOT 1.29x
+    instead of 1.60x and concurrency 8 output tokens/s 1.08x instead of 0.73x (TTFT 1.70x against 1.63x; README,
+    Benchmarks). vLLM-CPU refuses "uni" unless VLLM_ENABLE_V1_MULTIPROCESSING=0, because its mp executor is what
+    binds a worker's OpenMP threads; under `AsyncLLM` the EngineCore is a fresh process all the same, so
+    `launch_env` gives it the binding vLLM's mp executor gives a worker (`in_process_env`)."""
+    backend = (engine_kwargs or {}).get("distributed_executor_backend")
+    return device == "cpu" and tp == 1 and backend in (None, "uni")
+
+
+def in_process_env(cpu_bind: str) -> dict[str, str]:
+    """The environment of a TP 1 CPU engine whose EngineCore runs the model: what vLLM's mp executor sets for a
+    worker bound to `cpu_bind` (a VLLM_CPU_OMP_THREADS_BIND list such as "0-1" or "0,2,4"), read by PyTorch's
+    libgomp, which vLLM-CPU preloads: one OpenMP thread per listed core, each on its core (the EngineCore's main
+    thread, the OpenMP master, on the first). An earlier try that bound them with `OMP_PLACES`/`OMP_PROC_BIND`
+    instead measured a slower prefill, and a slower decode engine next to it. "auto"/"nobind": no binding."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if cpu_bind in ("auto", "nobind", "") or "|" in cpu_bind:
+        return env
+    cores: list[int] = []
+    for part in cpu_bind.split(","):
+        lo, _, hi = part.partition("-")
+        cores += range(int(lo), int(hi or lo) + 1)
+    env["OMP_NUM_THREADS"] = str(len(cores))
+    env["GOMP_CPU_AFFINITY"] = " ".join(map(str, cores))
+    return env
+
+
+def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None, device: str = "cpu",
+               engine_kwargs: dict[str, Any] | None = None) -> dict[str, str]:
+    """The environment an engine actor (and vLLM's processes under it) runs with: `engine_env`; on a TP 1 CPU
+    engine, the EngineCore's OpenMP binding (`in_process_env`); on a prefill engine, message-queue readers that
+    nap instead of spinning (vllm_plugin). `extra_env` wins over all of it."""
+    extra = dict(extra_env or {})
+    env = engine_env(tp)
     if role == "prefill":
-        env.setdefault("PD_SHM_SPIN_S", os.environ.get("PD_SHM_SPIN_S", "0.002"))
+        env["PD_SHM_SPIN_S"] = os.environ.get("PD_SHM_SPIN_S", "0.002")
+    if in_process_model(tp, device, engine_kwargs):
+        bind = extra.get("VLLM_CPU_OMP_THREADS_BIND", env["VLLM_CPU_OMP_THREADS_BIND"])
+        env.update(in_process_env(bind))
+    env.update(extra)
     return env
 
 
@@ -320,7 +359,7 @@ def launch_engine_actor(
     max_model_len, dtype, device). On CUDA hosts pass `num_gpus=tp`: Ray then sets the actor's CUDA_VISIBLE_DEVICES,
     which vLLM's worker processes inherit. `label_selector` / `resources`: the Ray nodes it may run on (a pool's
     `placement`)."""
-    env = launch_env(tp, extra_env, actor_kwargs.get("role"))
+    env = launch_env(tp, extra_env, actor_kwargs.get("role"), actor_kwargs.get("device", "cpu"), engine_kwargs)
     options: dict[str, Any] = {"runtime_env": {"env_vars": env}}
     if num_gpus:
         options["num_gpus"] = num_gpus

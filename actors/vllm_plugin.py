@@ -11,7 +11,8 @@ cores: the idle prefill worker at 20-25% of a core at one request at a time). Wi
 only that long after a message and then naps 200 us between checks for the rest of vLLM's busy period, then sleeps on
 the socket as before. The reader still checks the same flag between naps, so the message protocol is untouched
 (shortening vLLM's busy period instead, so that readers sleep on the socket sooner, lost wake-ups and stalled steps
-for 5 s here). `actors.engine.launch_engine_actor` sets it for prefill engines.
+for 5 s here). `actors.engine.launch_engine_actor` sets it for prefill engines (at TP 1 on CPU there is no such queue:
+the EngineCore runs the model itself, `actors.engine.in_process_model`).
 
 PD_CPU_KERNEL_BLOCK (tests only): vLLM's CPU attention accepts any multiple of 32 as its kernel block, so vLLM gives a
 CPU engine one kernel block per logical block (`physical_blocks_per_logical` 1). With this variable set to a multiple

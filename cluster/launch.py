@@ -329,7 +329,7 @@ def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) 
     spec = engine_spec(cfg, role, model_dir)
     opts = spec.device_options
     return {
-        "env": launch_env(spec.tp, opts.get("extra_env"), role),
+        "env": launch_env(spec.tp, opts.get("extra_env"), role, spec.device, opts.get("engine_kwargs")),
         "num_gpus": opts.get("num_gpus", 0),
         "label_selector": opts.get("label_selector", {}),
         "resources": opts.get("resources", {}),

@@ -136,6 +136,12 @@ def test_placement_and_env_reach_the_engines(tmp_path):
     assert prefill["resources"] == {"pd_prefill_slot": 1.0} and prefill["label_selector"] == {}
     assert decode["env"]["UCX_TLS"] == "tcp" and decode["env"]["OMP_WAIT_POLICY"] == "ACTIVE"  # the pool's word wins
     assert "UCX_TLS" not in prefill["env"] and prefill["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    # a TP 1 CPU engine runs its model in its EngineCore ("uni"), bound as vLLM's mp executor binds a worker
+    assert prefill["vllm_args"]["distributed_executor_backend"] == "uni"
+    assert {k: prefill["env"][k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY")} == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": "0 1"}
+    assert decode["vllm_args"]["distributed_executor_backend"] == "mp"
+    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "GOMP_CPU_AFFINITY"} & decode["env"].keys()
     cluster = Cluster(cfg, tmp_path, coordinator=None)
     assert pool_spec(cluster, "decode").labels == {"pd-node": "decode"} and pool_spec(cluster, "prefill").labels == {}
 
@@ -189,6 +195,8 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
         assert args["worker_extension_cls"] == "actors.connector.PDWorkerExtension"
         assert args["enable_prefix_caching"] is True  # GDN state: vLLM's "align" mode on any device
+        assert args["distributed_executor_backend"] == "mp"  # a process per rank on GPUs, TP 1 too
+        assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "GOMP_CPU_AFFINITY"} & spec["env"].keys()
     assert "block_size" not in args  # GPU attention pages are token-major: block sizes may differ between pools
     # the CPU default: the platform picks DS itself, the cache lives in DRAM, no GPUs
     (model / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
@@ -253,3 +261,20 @@ def test_prefix_caching_is_on_wherever_vllm_serves_it(tmp_path, kind):
 def test_prefix_caching_must_be_a_boolean(tmp_path):
     with pytest.raises(DeployError, match=r"decode\.enable_prefix_caching"):
         load_deploy(write(tmp_path, {"decode": {"enable_prefix_caching": "sometimes"}}))
+
+
+def test_in_process_engines_bind_their_openmp_threads():
+    """TP 1 CPU engines run the model in their EngineCore with the binding vLLM's mp executor gives a worker; a pool's
+    own VLLM_CPU_OMP_THREADS_BIND or executor choice wins."""
+    from actors.engine import in_process_env, in_process_model, launch_env
+
+    assert in_process_model(1) and not in_process_model(2) and not in_process_model(1, "cuda")
+    assert not in_process_model(1, engine_kwargs={"distributed_executor_backend": "mp"})
+    assert in_process_env("0-3") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "4",
+                                     "GOMP_CPU_AFFINITY": "0 1 2 3"}
+    assert in_process_env("2,5-6")["GOMP_CPU_AFFINITY"] == "2 5 6"
+    assert in_process_env("nobind") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = launch_env(1, {"VLLM_CPU_OMP_THREADS_BIND": "1"}, "prefill")
+    assert (env["GOMP_CPU_AFFINITY"], env["OMP_NUM_THREADS"]) == ("1", "1")
+    assert "GOMP_CPU_AFFINITY" not in launch_env(1, None, "decode", engine_kwargs={"distributed_executor_backend": "mp"})
+    assert launch_env(1, {"OMP_NUM_THREADS": "1"}, "decode")["OMP_NUM_THREADS"] == "1"  # extra_env wins

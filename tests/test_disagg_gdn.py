@@ -49,15 +49,17 @@ def test_compute_threads_keep_their_cores(pd):
     """vLLM's NIXL worker pins the thread that builds it - the worker's main thread, its OpenMP master, which runs
     the model - to the machine's last core; every TP rank then computed on that one core (2-3x the time per token).
     The connector puts it back: each rank's main thread stays on the first core of its VLLM_CPU_OMP_THREADS_BIND
-    list, so the ranks of a TP 2 engine compute on different cores."""
-    from actors.engine import CPU_BIND
+    list, so the ranks of a TP 2 engine compute on different cores. A TP 1 engine computes in its EngineCore, bound
+    as vLLM binds a worker (`actors.engine.in_process_env`)."""
+    from actors.engine import CPU_BIND, in_process_model
 
     for (role, tp), engine in pd.engines.items():
         cores: dict[int, set[int]] = {}
+        compute = r"VLLM::EngineCore()" if in_process_model(tp) else r"VLLM::Worker(?:_TP(\d+))?"
         for pid in ray.get(engine.pids()):
             try:
                 title = " ".join(psutil.Process(pid).cmdline())
-                m = re.match(r"VLLM::Worker(?:_TP(\d+))?", title)
+                m = re.match(compute, title)
                 if m:
                     cores[int(m.group(1) or 0)] = set(psutil.Process(pid).cpu_affinity())
             except psutil.NoSuchProcess:

@@ -129,8 +129,9 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, idle_free, gdn_mod
     """Kill a decode engine while it is still registered: requests sent to it fail at their decode step before any
     token, free the prefill blocks, and complete on the other decode engine with the right output."""
     url, prefill = served.url, served.engines["prefill-0"]
-    # bring the pool back to two decode engines (a new engine joins: registered, negotiated, then served)
-    engine, ref = launch_engine_actor(gdn_model, 1, role="decode", engine_id="decode-9", served_model=MODEL,
+    # bring the pool back to two decode engines (a new engine joins: registered, negotiated, then served); at TP 2,
+    # so that it has shared memory to leave behind (a TP 1 CPU engine runs its model in its EngineCore: it maps none)
+    engine, ref = launch_engine_actor(gdn_model, 2, role="decode", engine_id="decode-9", served_model=MODEL,
                                       name=f"{ENGINE_PREFIX}decode-9", namespace="pd-test-faults")
     ray.get(ref)
     ray.get(engine.register(served.coordinator))
@@ -141,7 +142,7 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, idle_free, gdn_mod
     prompts = [[1] + [(7 * i + j) % 900 + 3 for j in range(40 + 30 * i)] for i in range(8)]
     want = [complete(url, p)["choices"][0]["text"] for p in prompts]  # both engines healthy: the reference
 
-    victim = decodes[0]
+    victim = "decode-9"
     left = ray.get(served.engines[victim].leftovers())  # what its processes would leave if killed
     assert left.shm and os.path.isdir(left.tmpdir)
     children = kill_engine(served, victim)
@@ -205,8 +206,9 @@ def test_an_engine_joins_while_a_dead_decode_engine_is_still_listed(served, idle
         engines = ray.get(served.coordinator.describe.remote())["engines"]
         assert engines["prefill-8"]["state"] == "ready" and "decode-8" not in engines
         assert "decode-8" in [r["engine_id"] for r in ray.get(served.coordinator.removed_engines.remote())]
-        assert ("prefill-8", "decode-9") in {(p["prefill"], p["decode"]) for p in
-                                             ray.get(served.coordinator.describe.remote())["pairs"]}
+        survivor = next(e for e in served.engines if e.startswith("decode") and e != "decode-8")
+        assert ("prefill-8", survivor) in {(p["prefill"], p["decode"]) for p in
+                                           ray.get(served.coordinator.describe.remote())["pairs"]}
     finally:  # the later tests expect prefill-0 as the only prefill engine
         ray.get(served.coordinator.deregister.remote("prefill-8"))
         stop_engine_actor(joining)
