@@ -60,6 +60,7 @@ class FrontendSettings:
     retry_after_s: int = 2
     first_token_from_prefill: bool = True
     local_prefill_queue: int | None = None
+    local_prefill_when_idle: bool = False
 
 
 def vllm_args(settings: FrontendSettings):
@@ -370,7 +371,8 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
     vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     metrics = ServiceMetrics()
     router = Router(coordinator, first_token_from_prefill=settings.first_token_from_prefill,
-                    local_prefill_queue=settings.local_prefill_queue)
+                    local_prefill_queue=settings.local_prefill_queue,
+                    local_prefill_when_idle=settings.local_prefill_when_idle)
     client = cluster_engine_client(vllm_config, router, metrics)
     tasks = await client.get_supported_tasks()
     app = build_app(args, tasks, vllm_config.model_config)

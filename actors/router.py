@@ -101,10 +101,13 @@ class Router:
     samples the first token of the requests that allow it (see the module's docstring), which reaches the client
     without waiting for the transfer and a decode step. `local_prefill_queue` (None: off): when the least-loaded
     prefill engine already has that many of this router's prompts in prefill, the request goes whole to the decode
-    engine picked for it (conditional disaggregation; `local_prefill` counts them)."""
+    engine picked for it (conditional disaggregation; `local_prefill` counts them). `local_prefill_when_idle`: so
+    does a request whose decode engine has none of this router's requests in flight - there is no decode stream for
+    its prefill to stall, and the decode engine (at the decode TP) answers it with no transfer; `local_prefill`
+    counts these too."""
 
     def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True,
-                 local_prefill_queue: int | None = None):
+                 local_prefill_queue: int | None = None, local_prefill_when_idle: bool = False):
         if decode_transport not in TRANSPORTS:
             raise ValueError(f"decode_transport must be one of {TRANSPORTS}, not {decode_transport!r}")
         if local_prefill_queue is not None and local_prefill_queue < 0:
@@ -113,6 +116,7 @@ class Router:
         self.decode_transport = decode_transport
         self.first_token_from_prefill = first_token_from_prefill
         self.local_prefill_queue = local_prefill_queue
+        self.local_prefill_when_idle = local_prefill_when_idle
         self.inflight: Counter[str] = Counter()
         self._engines: dict[str, EngineClient] = {}
         self._rr = itertools.count()
@@ -123,7 +127,7 @@ class Router:
         self.retried = 0  # requests retried on another pair after an engine failure
         self.failed_over = 0  # streams continued on another pair after their engine failed mid-stream
         self.first_from_prefill = 0  # requests whose first token the prefill engine sampled
-        self.local_prefill = 0  # requests their decode engine prefilled itself: their prefill engine was backlogged
+        self.local_prefill = 0  # requests their decode engine prefilled itself: a backlogged prefill engine or an idle decode engine
         # degraded mode: requests served whole by one engine while no pair is ready, by the serving engine's role;
         # the role serving that way now (None: pairs are serving)
         self.colocated: Counter[str] = Counter()
@@ -321,9 +325,12 @@ class Router:
             raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
         d_id = pair[1] if pair else self._pick(decodes)
         prefill, decode = await self.engine(p_id, "prefill"), await self.engine(d_id, "decode")
-        if pair is None and self.local_prefill_queue is not None and self.inflight[p_id] >= self.local_prefill_queue:
-            # conditional disaggregation: the least-loaded prefill engine already has its queue; the decode engine
-            # computes this prompt in its own steps instead, with no transfer (vLLM's chunked prefill)
+        backlogged = self.local_prefill_queue is not None and self.inflight[p_id] >= self.local_prefill_queue
+        idle = self.local_prefill_when_idle and self.inflight[d_id] == 0
+        if pair is None and (backlogged or idle):
+            # conditional disaggregation: the least-loaded prefill engine already has its queue, or the decode engine
+            # has no stream to stall; the decode engine computes this prompt in its own steps instead, with no
+            # transfer (vLLM's chunked prefill)
             self.local_prefill += 1
             async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, None,
                                                         continued=continued)) as outs:

@@ -118,11 +118,23 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait(10)
 
 
+def _local_prefills(url: str) -> float:
+    """The cluster front end's count of requests a decode engine prefilled itself (`pd_requests_local_prefill_total`)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pd_requests_local_prefill_total "):
+                return float(line.split()[1])
+    raise RuntimeError(f"{url}/metrics has no pd_requests_local_prefill_total")
+
+
 def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[int, int]], input_len: int,
              output_len: int, api_key: str | None = None, timeout_s: float = 1800) -> list[dict[str, Any]]:
     rows = []
     for concurrency, prompts in loads:
         print(f"  {name}: concurrency {concurrency}, {prompts} prompts ...", flush=True)
+        local = _local_prefills(url) if name == "cluster" else None
         try:
             r = run_vllm_bench(url, model, model_dir, num_prompts=prompts, concurrency=concurrency,
                                input_len=input_len, output_len=output_len, api_key=api_key, timeout_s=timeout_s)
@@ -133,12 +145,15 @@ def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[
             continue
         rows.append({"target": name, "concurrency": concurrency, "completed": r["completed"], "failed": r["failed"],
                      **{k: round(float(r[k]), 3) for k in METRICS}})
+        if local is not None:  # requests not disaggregated (conditional disaggregation), the 2 warm-ups included
+            rows[-1]["prefilled_by_decode"] = int(_local_prefills(url) - local)
         print("   " + json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int,
-                  prefix_caching: bool = False, local_prefill_queue: int | None = 2) -> list[dict]:
+                  prefix_caching: bool = False, local_prefill_queue: int | None = 2,
+                  local_prefill_when_idle: bool = False) -> list[dict]:
     import ray
 
     from actors.engine import free_port
@@ -150,7 +165,7 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
         "prefill": {"tp": p_tp, "enable_prefix_caching": prefix_caching},
         "decode": {"tp": d_tp, "enable_prefix_caching": prefix_caching},
         "coordinator": {"name": "coordinator-bench-serve", "namespace": "pd-bench-serve"},
-        "transfer": {"local_prefill_queue": local_prefill_queue},
+        "transfer": {"local_prefill_queue": local_prefill_queue, "local_prefill_when_idle": local_prefill_when_idle},
         "http": {"port": free_port()},
     })
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pd-bench-serve")
@@ -353,13 +368,14 @@ def main(args: Any) -> int:
     caching = args.prefix_caching == "on"
     print(f"bench serve: {args.model}, prompts of {args.input_len} tokens, {args.output_len} out, P TP {args.prefill_tp} "
           f"+ D TP {args.decode_tp}, prefix caching {args.prefix_caching} on every engine, the cluster's local prefill "
-          f"queue {'off' if args.local_prefill_queue is None else args.local_prefill_queue}; targets "
+          f"queue {'off' if args.local_prefill_queue is None else args.local_prefill_queue}, its local prefill when "
+          f"idle {args.local_prefill_when_idle}; targets "
           f"{', '.join(targets)}; {args.rounds} round(s)", flush=True)
     for rnd, target in round_order(targets, args.rounds):
         print(f"round {rnd}/{args.rounds}: {target}", flush=True)
         if target == "cluster":
             got = bench_cluster(model_dir, args.prefill_tp, args.decode_tp, loads, args.input_len, args.output_len,
-                                caching, args.local_prefill_queue)
+                                caching, args.local_prefill_queue, args.local_prefill_when_idle == "on")
         elif target == "vllm":
             got = bench_vllm_server(model_dir, args.decode_tp, loads, args.input_len, args.output_len, logs, caching)
         else:
@@ -379,7 +395,8 @@ def main(args: Any) -> int:
     path.write_text(json.dumps({"benchmark": "serve", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": args.model,
                                 "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "input_len": args.input_len,
                                 "output_len": args.output_len, "prefix_caching": args.prefix_caching,
-                                "local_prefill_queue": args.local_prefill_queue, "rounds": args.rounds,
+                                "local_prefill_queue": args.local_prefill_queue,
+                                "local_prefill_when_idle": args.local_prefill_when_idle, "rounds": args.rounds,
                                 "summary": summary, "targets": checks, "rows": rows}, indent=2))
     plot(summary, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
@@ -421,6 +438,9 @@ def add_args(p: Any) -> None:
                         "no prefix, and for GDN/Mamba layers it costs prefill time - vLLM's 'align' state mode)")
     p.add_argument("--local-prefill-queue", type=_queue, default=2, help="the cluster's transfer.local_prefill_queue (default "
                    "2, as deploy.yaml; off: every request disaggregated)")
+    p.add_argument("--local-prefill-when-idle", choices=("off", "on"), default="off", help="the cluster's "
+                   "transfer.local_prefill_when_idle (default off, as deploy.yaml: a decode engine with no request in "
+                   "flight prefills the next one itself)")
     p.add_argument("--targets", default="cluster,vllm,stock-pd")
     p.add_argument("--rounds", type=_positive, default=3, help="rounds of the cluster and vLLM's server, restarted "
                    "each round and alternating which goes first; figures are medians over rounds, ratios the median of "

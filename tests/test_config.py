@@ -65,6 +65,7 @@ def test_gpu_example_is_4p2d(tmp_path, monkeypatch):
         ({"transfer": {"verify": 1.5}}, "transfer.verify", "off, all or a fraction"),
         ({"transfer": {"verify": "sometimes"}}, "transfer.verify", "off, all or a fraction"),
         ({"transfer": {"local_prefill_queue": -1}}, "transfer.local_prefill_queue", "greater than or equal to 0"),
+        ({"transfer": {"local_prefill_when_idle": "sometimes"}}, "transfer.local_prefill_when_idle", "valid boolean"),
         ({"transfer": {"verify": "all"}, "device": "cuda"}, "(top)", "transfer.verify: checksums are computed by the CPU over DRAM"),
         ({"decode": {"placement": {"resources": {"CPU": 1}}}}, "decode.placement.resources", "a Ray built-in"),
         ({"decode": {"placement": {"resources": {"slot": 0}}}}, "decode.placement.resources", "must be > 0"),

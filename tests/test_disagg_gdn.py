@@ -408,6 +408,28 @@ def test_a_backlogged_prefill_engine_leaves_the_prompt_to_the_decode_engine(pd):
         Router(pd.coordinator, local_prefill_queue=-1)
 
 
+def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
+    """`transfer.local_prefill_when_idle`: a request routed while its decode engine has none of the router's requests
+    in flight is prefilled there (no transfer); of two routed together, the second finds the engine busy with the
+    first and is disaggregated. Both answers are the model's."""
+    from actors.router import Router
+
+    decode = pd.engines[("decode", 1)]
+    router = Router(pd.coordinator, local_prefill_when_idle=True)
+    router._pick = lambda candidates: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
+    one, *two = prompts(seed=14, lengths=(290, 300, 280))  # new prompts: nothing found in a prefix cache
+    ray.get(decode.transfer_stats())  # drain
+    assert asyncio.run(run_router(router, one)) == oracle(one)
+    assert router.local_prefill == 1 and ray.get(decode.transfer_stats()) == []
+
+    async def both():
+        return await asyncio.gather(*(run_router(router, p) for p in two))
+
+    assert asyncio.run(both()) == [oracle(p) for p in two]
+    read = ray.get(decode.transfer_stats())
+    assert router.local_prefill == 2 and len(read) == 1, (router.local_prefill, read)
+
+
 @pytest.mark.parametrize("first", ["decode", "prefill"])
 def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd, first):
     """The race of a scale-down, caused for real at its worst moment: the prefill engine leaves between its prefill

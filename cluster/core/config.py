@@ -182,6 +182,11 @@ class TransferConfig(_Strict):
         "null: every request is disaggregated. Where prefill and decode engines share cores (the embedded default), "
         "a backlog at the prefill engine is better spent in the decode engine's own steps (vLLM's chunked prefill); "
         "Dynamo's max_prefill_queue_size makes the same call")
+    local_prefill_when_idle: bool = Field(
+        False, description="conditional disaggregation: a request whose decode engine has no request of the front "
+        "end's in flight is prefilled by that decode engine itself (no transfer): no decode stream is there for its "
+        "prefill to stall, and it runs at the decode TP (on the embedded default, concurrency 1 TTFT and TPOT as "
+        "vLLM's colocated server's). At low load most requests then skip the prefill pool")
 
     @field_validator("verify", mode="before")
     @classmethod

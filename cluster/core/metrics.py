@@ -129,7 +129,8 @@ class _ClusterCollector:
                 ("pd_first_tokens_from_prefill", "first_from_prefill", "Requests whose first token the prefill "
                  "engine sampled (transfer.first_token_from_prefill); the others' came from the decode engine"),
                 ("pd_requests_local_prefill", "local_prefill", "Requests their decode engine prefilled itself, with no "
-                 "transfer, because their prefill engine was backlogged (transfer.local_prefill_queue)")):
+                 "transfer, because their prefill engine was backlogged (transfer.local_prefill_queue) or their decode "
+                 "engine idle (transfer.local_prefill_when_idle)")):
             counter = CounterMetricFamily(name, help_)
             counter.add_metric([], float(state.get(key, 0)))
             yield counter
