@@ -120,13 +120,14 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def _local_prefills(url: str) -> float:
     """The cluster front end's count of requests a decode engine prefilled itself (`pd_requests_local_prefill_total`)."""
-    import urllib.request
+    import httpx
 
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("pd_requests_local_prefill_total "):
-                return float(line.split()[1])
-    raise RuntimeError(f"{url}/metrics has no pd_requests_local_prefill_total")
+    from cluster.core.metrics import sample_value
+
+    value = sample_value(httpx.get(f"{url}/metrics", timeout=10).text, "pd_requests_local_prefill_total")
+    if value is None:
+        raise RuntimeError(f"{url}/metrics has no pd_requests_local_prefill_total")
+    return float(value)
 
 
 def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[int, int]], input_len: int,
