@@ -102,9 +102,9 @@ class Router:
     without waiting for the transfer and a decode step. `local_prefill_queue` (None: off): when the least-loaded
     prefill engine already has that many of this router's prompts in prefill, the request goes whole to the decode
     engine picked for it (conditional disaggregation; `local_prefill` counts them). `local_prefill_when_idle`: so
-    does a request whose decode engine has none of this router's requests in flight - there is no decode stream for
-    its prefill to stall, and the decode engine (at the decode TP) answers it with no transfer; `local_prefill`
-    counts these too."""
+    does a request whose decode engine has none of this router's requests in flight and none in prefill headed for it
+    - there is no decode stream for its prefill to stall, and the decode engine (at the decode TP) answers it with no
+    transfer; `local_prefill` counts these too."""
 
     def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True,
                  local_prefill_queue: int | None = None, local_prefill_when_idle: bool = False):
@@ -118,6 +118,8 @@ class Router:
         self.local_prefill_queue = local_prefill_queue
         self.local_prefill_when_idle = local_prefill_when_idle
         self.inflight: Counter[str] = Counter()
+        # decode engine id -> this router's disaggregated requests bound for it, from their prefill's start to their end
+        self.heading: Counter[str] = Counter()
         self._engines: dict[str, EngineClient] = {}
         self._rr = itertools.count()
         self._cleanup: set[asyncio.Task] = set()
@@ -326,7 +328,7 @@ class Router:
         d_id = pair[1] if pair else self._pick(decodes)
         prefill, decode = await self.engine(p_id, "prefill"), await self.engine(d_id, "decode")
         backlogged = self.local_prefill_queue is not None and self.inflight[p_id] >= self.local_prefill_queue
-        idle = self.local_prefill_when_idle and self.inflight[d_id] == 0
+        idle = self.local_prefill_when_idle and self.inflight[d_id] == 0 and self.heading[d_id] == 0
         if pair is None and (backlogged or idle):
             # conditional disaggregation: the least-loaded prefill engine already has its queue, or the decode engine
             # has no stream to stall; the decode engine computes this prompt in its own steps instead, with no
@@ -338,59 +340,64 @@ class Router:
                     yield out
             return
 
-        first_token = self.first_token_from_prefill and first_token_refused(params) is None
-        self.inflight[p_id] += 1
-        ref = prefill.prefill(prompt_token_ids, rid, prompt_logprobs=params.prompt_logprobs,
-                              first_token=params if first_token else None, continued=continued)
+        self.heading[d_id] += 1  # no await since the idle check: a request routed next sees this one
         try:
-            prefilled: Prefilled = await asyncio.wait_for(asyncio.shield(_awaitable(ref)), self.prefill_timeout_s)
-        except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # client gone, or a wedged engine: stop it
-            self._background(self._cancel_prefill(prefill, ref))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            raise EngineFailure("prefill", p_id, f"no answer within {self.prefill_timeout_s:.0f} s") from None
-        except Exception as e:
-            raise EngineFailure("prefill", p_id, e) from None
-        finally:
-            self.inflight[p_id] -= 1
-        first = prefilled.first
-        if first is None:
-            async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, prefilled,
-                                                        p_id, prefill, continued)) as outs:
-                async for out in outs:
-                    yield out
-            return
-        # the prefill engine sampled the first token: it goes out now; the decode engine continues from it
-        def let_go() -> None:  # no decode engine will read the state the prefill engine holds for it
-            self._background(self._release_prefill(prefill, prefilled))
+            first_token = self.first_token_from_prefill and first_token_refused(params) is None
+            self.inflight[p_id] += 1
+            ref = prefill.prefill(prompt_token_ids, rid, prompt_logprobs=params.prompt_logprobs,
+                                  first_token=params if first_token else None, continued=continued)
+            try:
+                prefilled: Prefilled = await asyncio.wait_for(asyncio.shield(_awaitable(ref)), self.prefill_timeout_s)
+            except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # client gone, or a wedged engine: stop it
+                self._background(self._cancel_prefill(prefill, ref))
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                raise EngineFailure("prefill", p_id, f"no answer within {self.prefill_timeout_s:.0f} s") from None
+            except Exception as e:
+                raise EngineFailure("prefill", p_id, e) from None
+            finally:
+                self.inflight[p_id] -= 1
+            first = prefilled.first
+            if first is None:
+                async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, prefilled,
+                                                            p_id, prefill, continued)) as outs:
+                    async for out in outs:
+                        yield out
+                return
+            # the prefill engine sampled the first token: it goes out now; the decode engine continues from it
+            def let_go() -> None:  # no decode engine will read the state the prefill engine holds for it
+                self._background(self._release_prefill(prefill, prefilled))
 
-        reason = first.outputs[0].finish_reason if first.outputs else "no output"
-        if reason not in ("length", "stop") or not first.outputs[0].token_ids:  # aborted (the engine is stopping)
-            let_go()
-            raise EngineFailure("prefill", p_id, f"the prefill engine ended the request without a first token ({reason})")
-        self.first_from_prefill += 1
-        finished = reason == "stop" or params.max_tokens == 1
-        if not finished:
-            first.outputs[0].finish_reason = first.outputs[0].stop_reason = None
-        first.finished = finished
-        first.prompt_logprobs = prefilled.prompt_logprobs
-        try:
-            yield first
-        except BaseException:  # the consumer went away
-            let_go()
-            raise
-        if finished:  # the first token ended it (a stop token, or max_tokens 1)
-            let_go()
-            return
-        ids = list(first.outputs[0].token_ids)
-        rest = continuation_params(params, len(ids))
-        original = list(prompt_token_ids)  # what the caller sent, on every output (one copy, not one per output)
-        async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids + ids, rest, rid,
-                                                    dataclasses.replace(prefilled, prompt_logprobs=None), p_id, prefill,
-                                                    continued + len(ids))) as outs:
-            async for out in outs:
-                out.prompt_token_ids, out.prompt_logprobs = original, None
-                yield out
+            reason = first.outputs[0].finish_reason if first.outputs else "no output"
+            if reason not in ("length", "stop") or not first.outputs[0].token_ids:  # aborted (the engine is stopping)
+                let_go()
+                raise EngineFailure("prefill", p_id,
+                                    f"the prefill engine ended the request without a first token ({reason})")
+            self.first_from_prefill += 1
+            finished = reason == "stop" or params.max_tokens == 1
+            if not finished:
+                first.outputs[0].finish_reason = first.outputs[0].stop_reason = None
+            first.finished = finished
+            first.prompt_logprobs = prefilled.prompt_logprobs
+            try:
+                yield first
+            except BaseException:  # the consumer went away
+                let_go()
+                raise
+            if finished:  # the first token ended it (a stop token, or max_tokens 1)
+                let_go()
+                return
+            ids = list(first.outputs[0].token_ids)
+            rest = continuation_params(params, len(ids))
+            original = list(prompt_token_ids)  # what the caller sent, on every output (one copy, not one per output)
+            held = dataclasses.replace(prefilled, prompt_logprobs=None)
+            async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids + ids, rest, rid, held, p_id,
+                                                        prefill, continued + len(ids))) as outs:
+                async for out in outs:
+                    out.prompt_token_ids, out.prompt_logprobs = original, None
+                    yield out
+        finally:
+            self.heading[d_id] -= 1
 
     async def _colocated(self, prefills: list[str], prompt_token_ids, params, rid, avoid: set[str],
                          continued: int = 0) -> AsyncIterator[Any]:

@@ -441,7 +441,7 @@ def add_args(p: Any) -> None:
                    "2, as deploy.yaml; off: every request disaggregated)")
     p.add_argument("--local-prefill-when-idle", choices=("off", "on"), default="off", help="the cluster's "
                    "transfer.local_prefill_when_idle (default off, as deploy.yaml: a decode engine with no request in "
-                   "flight prefills the next one itself)")
+                   "flight, nor one in prefill headed for it, prefills the next one itself)")
     p.add_argument("--targets", default="cluster,vllm,stock-pd")
     p.add_argument("--rounds", type=_positive, default=3, help="rounds of the cluster and vLLM's server, restarted "
                    "each round and alternating which goes first; figures are medians over rounds, ratios the median of "

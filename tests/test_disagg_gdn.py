@@ -410,8 +410,9 @@ def test_a_backlogged_prefill_engine_leaves_the_prompt_to_the_decode_engine(pd):
 
 def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
     """`transfer.local_prefill_when_idle`: a request routed while its decode engine has none of the router's requests
-    in flight is prefilled there (no transfer); of two routed together, the second finds the engine busy with the
-    first and is disaggregated. Both answers are the model's."""
+    in flight and none in prefill headed for it is prefilled there (no transfer); of two routed together, the second
+    finds the engine busy with the first and is disaggregated; a third, routed once the first is done while the
+    second is still in prefill, is disaggregated too. All answers are the model's."""
     from actors.router import Router
 
     decode = pd.engines[("decode", 1)]
@@ -428,6 +429,51 @@ def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
     assert asyncio.run(both()) == [oracle(p) for p in two]
     read = ray.get(decode.transfer_stats())
     assert router.local_prefill == 2 and len(read) == 1, (router.local_prefill, read)
+
+    # a decode engine with nothing in flight but a prompt in prefill headed for it is not idle: the request routed
+    # then is disaggregated too (the prefill engine's answer is held back until it has been routed)
+    *two, late = prompts(seed=15, lengths=(290, 300, 280))
+    held = asyncio.Event()
+    router._engines["prefill-tp1"] = _HeldPrefill(pd.engines[("prefill", 1)], held)
+
+    async def until(condition, what: str) -> None:
+        for _ in range(600):
+            if condition():
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}: {router.inflight}, {router.heading}")
+
+    async def three():
+        first = [asyncio.create_task(run_router(router, p)) for p in two]  # one local, one held in its prefill
+        await until(lambda: router.inflight["decode-tp1"] == 0 and router.heading["decode-tp1"] == 1 and
+                    router.local_prefill == 3, "the local request to end while the other is held")
+        third = asyncio.create_task(run_router(router, late))
+        await until(lambda: router.heading["decode-tp1"] == 2 or router.local_prefill == 4, "the third to be routed")
+        held.set()
+        return await asyncio.gather(*first, third)
+
+    assert asyncio.run(three()) == [oracle(p) for p in (*two, late)]
+    read = ray.get(decode.transfer_stats())
+    assert router.local_prefill == 3 and len(read) == 2, (router.local_prefill, read)
+    assert sum(router.heading.values()) == 0 and sum(router.inflight.values()) == 0
+
+
+class _HeldPrefill:
+    """A prefill engine's client whose prefills return only once `held` is set."""
+
+    def __init__(self, engine, held: asyncio.Event):
+        self._e, self._held = engine, held
+
+    def prefill(self, *args, **kwargs):
+        return self._prefill(*args, **kwargs)
+
+    async def _prefill(self, *args, **kwargs):
+        prefilled = await self._e.prefill(*args, **kwargs)
+        await self._held.wait()
+        return prefilled
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
 
 
 @pytest.mark.parametrize("first", ["decode", "prefill"])

@@ -184,10 +184,9 @@ class TransferConfig(_Strict):
         "Dynamo's max_prefill_queue_size makes the same call")
     local_prefill_when_idle: bool = Field(
         False, description="conditional disaggregation: a request whose decode engine has no request of the front "
-        "end's in flight is prefilled by that decode engine itself (no transfer): no decode stream is there for its "
-        "prefill to stall, and it runs at the decode TP (README, Benchmarks: concurrency 1 TTFT 1.08-1.16x and "
-        "TPOT 0.95-1.20x vLLM's colocated server in two rounds; it also fires often at concurrency 8). At low load "
-        "most requests then skip the prefill pool")
+        "end's in flight, nor one in prefill headed for it, is prefilled by that decode engine itself (no transfer): "
+        "no decode stream is there for its prefill to stall, and it runs at the decode TP (README, Benchmarks). At "
+        "concurrency 1 every request then skips the prefill pool")
 
     @field_validator("verify", mode="before")
     @classmethod
