@@ -114,6 +114,16 @@ def wait_for(predicate, timeout_s: float, poll_s: float = 0.1) -> float:
     return time.monotonic() - t0
 
 
+async def until(predicate, timeout_s: float, what: str, poll_s: float = 0.5) -> float:
+    """`wait_for` inside an event loop: `predicate` runs in a thread (it may block), the loop keeps serving."""
+    t0 = time.monotonic()
+    while not await asyncio.to_thread(predicate):
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"{what}: not after {timeout_s:.0f} s")
+        await asyncio.sleep(poll_s)
+    return time.monotonic() - t0
+
+
 def processes_under(marker: str) -> list[psutil.Process]:
     """A test cluster's daemons (their command lines name `marker`, e.g. its Ray temp dir) and everything below them."""
     roots = []

@@ -30,7 +30,7 @@ import ray
 from actors.engine import free_port
 from cluster.core.config import DeployConfig
 from cluster.launch import Cluster, serve, stop_cluster
-from tests.pd_helpers import oracle
+from tests.pd_helpers import oracle, until
 
 pytestmark = pytest.mark.engine
 MODEL = "tiny-hybrid"
@@ -176,15 +176,6 @@ class Load:
         bad = [r for r in mine if not r["ok"]]
         assert not bad, f"{len(bad)} of {len(mine)} requests failed or answered wrong, e.g. {bad[:3]}"
         return len(mine)
-
-
-async def until(predicate, timeout_s: float, what: str, poll_s: float = 0.5) -> float:
-    t0 = time.monotonic()
-    while not await asyncio.to_thread(predicate):
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"{what}: not after {timeout_s:.0f} s")
-        await asyncio.sleep(poll_s)
-    return time.monotonic() - t0
 
 
 def events(cluster) -> dict:

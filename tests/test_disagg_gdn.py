@@ -15,7 +15,7 @@ import ray
 
 from cluster.core.coordinator import RegistrationError
 from cluster.core.models import ensure_model
-from tests.pd_helpers import MAX_TOKENS, PDCluster, colocated, decode_stream, gather, oracle, prompts, run_pair, wait_for
+from tests.pd_helpers import MAX_TOKENS, PDCluster, colocated, decode_stream, gather, oracle, prompts, run_pair, until, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -436,19 +436,13 @@ def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
     held = asyncio.Event()
     router._engines["prefill-tp1"] = _HeldPrefill(pd.engines[("prefill", 1)], held)
 
-    async def until(condition, what: str) -> None:
-        for _ in range(600):
-            if condition():
-                return
-            await asyncio.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}: {router.inflight}, {router.heading}")
-
     async def three():
         first = [asyncio.create_task(run_router(router, p)) for p in two]  # one local, one held in its prefill
         await until(lambda: router.inflight["decode-tp1"] == 0 and router.heading["decode-tp1"] == 1 and
-                    router.local_prefill == 3, "the local request to end while the other is held")
+                    router.local_prefill == 3, 60, "the local request to end while the other is held", poll_s=0.1)
         third = asyncio.create_task(run_router(router, late))
-        await until(lambda: router.heading["decode-tp1"] == 2 or router.local_prefill == 4, "the third to be routed")
+        await until(lambda: router.heading["decode-tp1"] == 2 or router.local_prefill == 4, 60,
+                    "the third to be routed", poll_s=0.1)
         held.set()
         return await asyncio.gather(*first, third)
 
