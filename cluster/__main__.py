@@ -8,7 +8,7 @@ import sys
 import time
 
 from cluster.core.hf_config import ConfigError, load_config, model_shape, ssm_dtype, torch_dtype
-from cluster.core.layout import LayoutError, offline_layout
+from cluster.core.layout import CONV_LAYOUTS, LayoutError, offline_layout
 from cluster.core.planner import IncompatiblePair, PairPlan, plan_pair, plan_request
 
 
@@ -25,7 +25,8 @@ def build_pair(args: argparse.Namespace) -> PairPlan:
     dtype = args.dtype or torch_dtype(cfg) or "bfloat16"
     sdtype = args.ssm_dtype or ssm_dtype(cfg, dtype)
     layouts = [
-        offline_layout(model, tp, dtype, sdtype, block_size=args.block_size, kernel_block_size=kernel)
+        offline_layout(model, tp, dtype, sdtype, block_size=args.block_size, kernel_block_size=kernel,
+                       conv_layout=args.conv_layout)
         for tp, kernel in ((args.prefill_tp, args.prefill_kernel_block), (args.decode_tp, args.decode_kernel_block))
     ]
     return plan_pair(*layouts)
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=_positive, help="requested logical block size (vLLM raises it for hybrid models)")
     p.add_argument("--prefill-kernel-block", type=_positive, help="prefill attention kernel block size (default: = block size, as on CPU)")
     p.add_argument("--decode-kernel-block", type=_positive, help="decode attention kernel block size")
+    p.add_argument("--conv-layout", choices=CONV_LAYOUTS, default="SD",
+                   help="conv-state layout of both engines (VLLM_SSM_CONV_STATE_LAYOUT; default SD, what CPU engines run "
+                        "here; DS on CUDA)")
     p.add_argument("--tokens", type=_positive, default=4096, help="prompt length of the sample request (default 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)

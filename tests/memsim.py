@@ -38,6 +38,15 @@ def _gather(proj: Proj, tp: int, rank: int, full: np.ndarray) -> bytes:
     return full[list(proj.held_units(tp, rank))].tobytes()
 
 
+def _conv_bytes(layout: EngineLayout, rank: int, full_conv: list[np.ndarray]) -> bytes:
+    """One rank's conv state as it lies in memory: its channels of every sub-projection in order, as (channels,
+    conv_rows) in the DS layout or transposed to (conv_rows, channels) in SD."""
+    st, eb = layout.model.state, layout.elem_bytes
+    parts = [full[list(p.held_units(layout.tp, rank))].reshape(-1, st.conv_rows, eb) for p, full in zip(st.conv_projs, full_conv)]
+    ds = np.concatenate(parts)  # (channels, rows, element bytes)
+    return (ds if layout.conv_layout == "DS" else ds.transpose(1, 0, 2)).tobytes()
+
+
 class RankMemory:
     """One rank's regions: `num_regions` arrays of `num_pages` logical pages, filled with noise."""
 
@@ -66,7 +75,7 @@ class RankMemory:
                 continue
             page = group_blocks[gi][-1] * L.page_bytes
             for region, layer in enumerate(group.layers):
-                conv = b"".join(_gather(p, L.tp, self.rank, f) for p, f in zip(st.conv_projs, full.conv[layer]))
+                conv = _conv_bytes(L, self.rank, full.conv[layer])
                 ssm = _gather(st.ssm, L.tp, self.rank, full.ssm[layer])
                 mem = self.regions[region]
                 mem[page : page + len(conv)] = np.frombuffer(conv, np.uint8)

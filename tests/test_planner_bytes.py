@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.core.layout import AttentionShape, EngineLayout, ModelShape, Proj, StateShape, default_groups
+from cluster.core.layout import CONV_LAYOUTS, AttentionShape, EngineLayout, ModelShape, Proj, StateShape, default_groups
 from cluster.core.planner import plan_pair, plan_request
 from tests.memsim import RankMemory, execute, make_full_state
 
@@ -54,10 +54,10 @@ def models(draw, kind: str | None = None, attention: bool | None = None) -> Mode
 
 
 @st.composite
-def engine_layout(draw, model: ModelShape, tp: int, dtype: str, ssm_dtype: str) -> EngineLayout:
+def engine_layout(draw, model: ModelShape, tp: int, dtype: str, ssm_dtype: str, conv_layout: str = "DS") -> EngineLayout:
     kernel = draw(st.sampled_from([2, 4, 8, 16]))
     ppl = draw(st.sampled_from([1, 2, 4]))
-    probe = EngineLayout(model, tp, dtype, ssm_dtype, kernel * ppl, kernel, 1 << 40, default_groups(model))
+    probe = EngineLayout(model, tp, dtype, ssm_dtype, kernel * ppl, kernel, 1 << 40, default_groups(model), conv_layout)
     need = max(probe.min_state_page_bytes, probe.kv_kernel_block_bytes * ppl)
     pad = draw(st.sampled_from([0, 16, 64]))
     page = -(-(need + pad) // ppl) * ppl
@@ -131,8 +131,9 @@ def pairs(draw, kind: str | None = None, attention: bool | None = None):
     p_tp, d_tp = draw(st.sampled_from(TP_SIZES)), draw(st.sampled_from(TP_SIZES))
     dtype = draw(st.sampled_from(["bfloat16", "float32"]))
     ssm_dtype = draw(st.sampled_from(["float32", dtype]))
-    p = draw(engine_layout(model, p_tp, dtype, ssm_dtype))
-    d = draw(engine_layout(model, d_tp, dtype, ssm_dtype))
+    conv = draw(st.sampled_from(CONV_LAYOUTS))
+    p = draw(engine_layout(model, p_tp, dtype, ssm_dtype, conv))
+    d = draw(engine_layout(model, d_tp, dtype, ssm_dtype, conv))
     tokens = draw(st.integers(1, 90))
     cached = draw(st.integers(0, tokens // d.block_size)) if draw(st.booleans()) else 0
     return p, d, tokens, cached, draw(st.integers(0, 2**31))
@@ -146,22 +147,44 @@ SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[Heal
 def test_plan_moves_exactly_the_decode_shard(case):
     p, d, tokens, cached, seed = case
     ok, plan = run_plan(p, d, tokens, cached, seed)
-    assert ok, f"decode memory differs from the decode-sharded state: P tp={p.tp} D tp={d.tp} {p.model}"
+    assert ok, f"decode memory differs from the decode-sharded state: P tp={p.tp} D tp={d.tp} {p.conv_layout} {p.model}"
 
 
+@pytest.mark.parametrize("conv", CONV_LAYOUTS)
 @pytest.mark.parametrize("kind", ["gdn", "mamba2", "mamba1"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_every_kind_at_every_tp_pair(kind, data):
-    """Each state kind, each of the 16 TP pairs, with and without attention and with differing kernel blocks."""
+def test_every_kind_at_every_tp_pair(kind, conv, data):
+    """Each state kind in each conv-state layout, each of the 16 TP pairs, with and without attention and with
+    differing kernel blocks."""
     for p_tp in TP_SIZES:
         for d_tp in TP_SIZES:
             model = data.draw(models(kind, attention=data.draw(st.booleans())))
-            p = data.draw(engine_layout(model, p_tp, "bfloat16", "float32"))
-            d = data.draw(engine_layout(model, d_tp, "bfloat16", "float32"))
+            p = data.draw(engine_layout(model, p_tp, "bfloat16", "float32", conv))
+            d = data.draw(engine_layout(model, d_tp, "bfloat16", "float32", conv))
             tokens = data.draw(st.integers(1, 40))
             ok, _ = run_plan(p, d, tokens, 0, data.draw(st.integers(0, 2**31)))
-            assert ok, f"{kind} P tp={p_tp} D tp={d_tp}"
+            assert ok, f"{kind} {conv} P tp={p_tp} D tp={d_tp}"
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (2, 2)])
+def test_sd_conv_state_moves_row_by_row(p_tp, d_tp):
+    """SD conv state (rows of every channel): a P/D pair at differing TP reads each sub-projection as one run per
+    conv row, and the memory comparison sees the layout - a plan made as if the memory were DS corrupts it (at
+    differing TP sizes; at one size each page is copied whole, whatever its layout)."""
+    model = _gdn_model()
+    p, d = (dataclasses.replace(_layout(model, tp, 16, 16), conv_layout="SD") for tp in (p_tp, d_tp))
+    ok, plan = run_plan(p, d, 40, 0, seed=5)
+    assert ok
+    pair = plan_pair(p, d)
+    as_ds = tuple(dataclasses.replace(x, conv_layout="DS") for x in (p, d))
+    conv = [r for r in pair.state_reads[0] if r.piece.startswith("conv")]
+    ds_conv = [r for r in plan_pair(*as_ds).state_reads[0] if r.piece.startswith("conv")]
+    assert len(conv) == len(ds_conv) * model.state.conv_rows  # each unit run of Q, K, V: one read per row
+    # same TP: the rows are alike on both sides, so one layer's whole state page is one descriptor
+    assert (len(pair.state_descriptors(0)) == 1) == (p_tp == d_tp)
+    bad, _ = run_plan(p, d, 40, 0, seed=5, plan_layouts=as_ds)
+    assert bad == (p_tp == d_tp)  # at one TP size both sides' pages are alike, whatever the layout
 
 
 def _gdn_model(kv_heads=2, attn_layers=(3,)):

@@ -35,7 +35,7 @@ def test_tp_ratio_sign_convention():
         (dict(model=dataclasses.replace(gdn(), architecture="Other")), "model.architecture", "T", "Other"),
         (dict(dtype="float16"), "dtype", "bfloat16", "float16"),
         (dict(ssm_dtype="bfloat16"), "ssm_dtype", "float32", "bfloat16"),
-        (dict(conv_layout="SD"), "conv_layout", "DS", "SD"),
+        (dict(conv_layout="SD"), "conv_layout", "DS", "SD"),  # each layout pairs with itself only
         (dict(kv_layout="NHD"), "kv_layout", "HND", "NHD"),
         (dict(groups=(CacheGroup("state", (0, 1, 2)), CacheGroup("attention", (3,)))), "groups", None, None),
     ],
@@ -110,6 +110,7 @@ def test_cpu_attention_pages_at_another_kernel_block_size_are_refused():
         (lambda: offline_layout(gdn(), 0), "tp"),
         (lambda: dataclasses.replace(offline_layout(gdn(), 1), kernel_block_size=48), "kernel_block_size"),
         (lambda: dataclasses.replace(offline_layout(gdn(), 1), page_bytes=64), "page_bytes"),
+        (lambda: offline_layout(gdn(), 1, conv_layout="DSX"), "conv_layout"),
     ],
 )
 def test_impossible_layouts(build, field):

@@ -20,6 +20,7 @@ from typing import Literal
 
 from cluster.core.errors import FieldError
 
+CONV_LAYOUTS = ("DS", "SD")  # vLLM's VLLM_SSM_CONV_STATE_LAYOUT values: (channels, rows) or (rows, channels)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
@@ -38,8 +39,9 @@ class LayoutError(FieldError):
 class Proj:
     """One shardable axis of a state: `units` units of `unit_elems` elements each.
 
-    For a conv sub-projection a unit is a head or group of `unit_elems` conv channels; in the DS conv layout
-    (channels, conv_rows) one channel is `conv_rows` contiguous elements. For the recurrent state a unit is one head
+    For a conv sub-projection a unit is a head or group of `unit_elems` conv channels (in the DS conv layout one
+    channel is `conv_rows` contiguous elements; in SD one element of each of the `conv_rows` rows: see
+    `EngineLayout.conv_ranges`). For the recurrent state a unit is one head
     (or one channel for Mamba1) of `unit_elems` contiguous elements. For attention a unit is one KV head.
     """
 
@@ -155,8 +157,10 @@ class EngineLayout:
     Memory model (vLLM 0.32 hybrid allocator, LBHNC): each rank has `num_regions` regions; a region is an array of
     logical pages of `page_bytes`, and kernel block k of a region starts at k * kernel_page_bytes
     (kernel_page_bytes = page_bytes / physical_blocks_per_logical).
-      * a state page (GDN/Mamba) holds [conv state | recurrent state | padding]; conv state is DS
-        (channels, conv_rows), its sub-projections back to back;
+      * a state page (GDN/Mamba) holds [conv state | recurrent state | padding]; the conv state is either DS
+        (channels, conv_rows): the sub-projections back to back, each one contiguous - or SD (conv_rows, channels),
+        vLLM's default and its faster CPU kernel: each row holds every channel of this rank, so a sub-projection is
+        `conv_rows` strided runs (`conv_layout`, from VLLM_SSM_CONV_STATE_LAYOUT);
       * an attention kernel page holds, per local KV head, its K rows then its V rows: (heads, 2, kernel_block_size,
         head_dim) - heads outermost, so a head slice is one contiguous range (HND). vLLM's CPU attention (CPU_TILED)
         keeps the heads outermost but not the tokens inside a kernel block: K sits in 32-token tiles and V is stored
@@ -180,6 +184,8 @@ class EngineLayout:
             raise LayoutError("tp", f"TP size must be an integer >= 1, got {self.tp!r}")
         dtype_bytes(self.dtype)
         dtype_bytes(self.ssm_dtype)
+        if self.conv_layout not in CONV_LAYOUTS:
+            raise LayoutError("conv_layout", f"unknown conv-state layout {self.conv_layout!r}; expected one of {CONV_LAYOUTS}")
         if self.block_size < 1:
             raise LayoutError("block_size", f"must be >= 1, got {self.block_size}")
         if self.kernel_block_size < 1 or self.block_size % self.kernel_block_size:
@@ -239,12 +245,33 @@ class EngineLayout:
         return tuple(p.local_units(self.tp) * p.unit_elems for p in self.model.state.conv_projs)
 
     def conv_proj_offsets(self) -> tuple[int, ...]:
-        """Byte offset of each conv sub-projection inside this rank's conv state (DS layout)."""
+        """Byte offset of each conv sub-projection inside this rank's conv state in the DS layout (where each is one
+        contiguous range; `conv_ranges` gives the ranges in either layout)."""
         offs, at = [], 0
         for dim in self.conv_proj_dims:
             offs.append(at)
             at += dim * self.conv_rows * self.elem_bytes
         return tuple(offs)
+
+    def conv_ranges(self, proj: int, slot: int, count: int) -> list[tuple[int, int]]:
+        """(byte offset, size) ranges inside this rank's conv state that hold units [slot, slot + count) of conv
+        sub-projection `proj` (unit slots as `Proj.held_units` numbers them on this rank), in element order: one
+        range in the DS layout, one per conv row in SD. Two layouts of one model give ranges of equal sizes."""
+        ue = self.model.state.conv_projs[proj].unit_elems
+        if self.conv_layout == "DS":
+            unit = ue * self.conv_rows * self.elem_bytes
+            return [(self.conv_proj_offsets()[proj] + slot * unit, count * unit)]
+        channels = sum(self.conv_proj_dims)
+        first = sum(self.conv_proj_dims[:proj]) + slot * ue
+        return [((row * channels + first) * self.elem_bytes, count * ue * self.elem_bytes) for row in range(self.conv_rows)]
+
+    def conv_row_ranges(self, row: int) -> list[tuple[int, int]]:
+        """(byte offset, size) ranges of conv row `row` (the state of one past token, every channel of this rank):
+        one element per channel in the DS layout, one range in SD."""
+        channels, eb = sum(self.conv_proj_dims), self.elem_bytes
+        if self.conv_layout == "SD":
+            return [(row * channels * eb, channels * eb)]
+        return [((c * self.conv_rows + row) * eb, eb) for c in range(channels)]
 
     @cached_property
     def conv_state_bytes(self) -> int:
@@ -305,11 +332,13 @@ def offline_layout(
     kernel_block_size: int | None = None,
     min_kernel_block: int = 32,
     kv_layout: str = "HND",
+    conv_layout: str = "DS",
 ) -> EngineLayout:
     """The layout an engine of this model would get at this TP, computed as vLLM 0.32's hybrid allocator does:
     the attention block size is raised (in multiples of the kernel block base) until an attention page holds a state
     page, and the state page is padded to the attention page. On CPU the kernel block equals the logical block
-    (any multiple of 32 tokens); pass `kernel_block_size` for GPU backends with fixed kernel sizes."""
+    (any multiple of 32 tokens); pass `kernel_block_size` for GPU backends with fixed kernel sizes. `conv_layout`:
+    DS is vLLM's stock NIXL layout (and CUDA engines'); the CPU engines here run SD (actors.engine.launch_env)."""
     ssm_dtype = ssm_dtype or dtype
     probe = EngineLayout(model, tp, dtype, ssm_dtype, 1, 1, 1 << 62, default_groups(model))  # sizes only
     per_token = probe.kv_heads_local * 2 * model.attention.head_dim * probe.elem_bytes if model.attention else 0
@@ -327,7 +356,8 @@ def offline_layout(
     else:
         size, page = requested, state_page
     kernel = kernel_block_size or size
-    return EngineLayout(model, tp, dtype, ssm_dtype, size, kernel, page, default_groups(model), kv_layout=kv_layout)
+    return EngineLayout(model, tp, dtype, ssm_dtype, size, kernel, page, default_groups(model), conv_layout=conv_layout,
+                        kv_layout=kv_layout)
 
 
 def fields_differ(a: ModelShape, b: ModelShape) -> list[tuple[str, object, object]]:

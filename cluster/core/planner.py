@@ -173,16 +173,10 @@ def validate_pair(prefill: EngineLayout, decode: EngineLayout) -> int:
         raise IncompatiblePair("dtype", prefill.dtype, decode.dtype, "KV cache and conv state dtypes must match")
     if prefill.model.state and prefill.ssm_dtype != decode.ssm_dtype:
         raise IncompatiblePair("ssm_dtype", prefill.ssm_dtype, decode.ssm_dtype, "recurrent state dtypes must match")
-    if prefill.model.state:
-        for side, layout in (("prefill", prefill), ("decode", decode)):
-            if layout.conv_layout != "DS":
-                raise IncompatiblePair(
-                    "conv_layout",
-                    prefill.conv_layout,
-                    decode.conv_layout,
-                    f"the {side} engine keeps conv state {layout.conv_layout}; only the DS layout (channels, conv_rows) "
-                    "keeps each sub-projection contiguous",
-                )
+    if prefill.model.state and prefill.conv_layout != decode.conv_layout:
+        raise IncompatiblePair(
+            "conv_layout", prefill.conv_layout, decode.conv_layout,
+            "both engines must keep conv state in one layout (VLLM_SSM_CONV_STATE_LAYOUT: a pool's `env` sets it)")
     if prefill.model.attention and prefill.kv_layout != decode.kv_layout:
         raise IncompatiblePair("kv_layout", prefill.kv_layout, decode.kv_layout, "both engines must use one KV layout")
     if prefill.model.attention and prefill.tp != decode.tp and prefill.kv_layout not in HEAD_MAJOR:
@@ -207,19 +201,12 @@ def plan_pair(prefill: EngineLayout, decode: EngineLayout) -> PairPlan:
     for d in range(decode.tp):
         reads: list[Read] = []
         if state:
-            p_offs, d_offs = prefill.conv_proj_offsets(), decode.conv_proj_offsets()
             for i, proj in enumerate(state.conv_projs):
-                unit = proj.unit_elems * state.conv_rows * prefill.elem_bytes
                 for run in unit_runs(proj, prefill.tp, decode.tp, d):
-                    reads.append(
-                        Read(
-                            run.remote_rank,
-                            f"conv{i}",
-                            p_offs[i] + run.remote_slot * unit,
-                            run.count * unit,
-                            d_offs[i] + run.local_slot * unit,
-                        )
-                    )
+                    # one range per run in the DS layout, one per conv row in SD (equal sizes on both sides)
+                    for (p_off, size), (d_off, _) in zip(prefill.conv_ranges(i, run.remote_slot, run.count),
+                                                         decode.conv_ranges(i, run.local_slot, run.count)):
+                        reads.append(Read(run.remote_rank, f"conv{i}", p_off, size, d_off))
             unit = state.ssm.unit_elems * prefill.ssm_elem_bytes
             for run in unit_runs(state.ssm, prefill.tp, decode.tp, d):
                 reads.append(Read(run.remote_rank, "ssm", run.remote_slot * unit, run.count * unit, run.local_slot * unit))
