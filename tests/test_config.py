@@ -175,7 +175,7 @@ def test_the_verify_sample_is_a_function_of_the_request_id():
 
 def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
     """What the launcher starts each engine of the GPU example with (nothing here runs on a GPU): one GPU per TP rank,
-    the DS conv-state layout vLLM 0.32's NIXL worker asserts on CUDA (only the CPU platform picks it by itself), the
+    the DS conv-state layout vLLM 0.32's stock NIXL transfers were built for (CPU engines run SD: launch_env), the
     project's connector over VRAM, vLLM's share of GPU memory, and vLLM's default async scheduling - which 0.32 runs
     safely with hybrid P/D because it carries both upstream fixes, checked here in the installed vLLM."""
     from cluster.launch import engine_launch
@@ -199,10 +199,10 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
         assert args["distributed_executor_backend"] == "mp"  # a process per rank on GPUs, TP 1 too
         assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "GOMP_CPU_AFFINITY"} & spec["env"].keys()
     assert "block_size" not in args  # GPU attention pages are token-major: block sizes may differ between pools
-    # the CPU default: the platform picks DS itself, the cache lives in DRAM, no GPUs
+    # the CPU default: vLLM's own SD conv layout (actors.engine.launch_env), the cache lives in DRAM, no GPUs
     (model / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cpu = engine_launch(DeployConfig(), "decode", str(model), "decode-0")
-    assert "VLLM_SSM_CONV_STATE_LAYOUT" not in cpu["env"] and cpu["num_gpus"] == 0
+    assert cpu["env"]["VLLM_SSM_CONV_STATE_LAYOUT"] == "SD" and cpu["num_gpus"] == 0
     assert cpu["vllm_args"]["kv_transfer_config"]["kv_buffer_device"] == "cpu"
 
 
@@ -279,3 +279,15 @@ def test_in_process_engines_bind_their_openmp_threads():
     assert (env["GOMP_CPU_AFFINITY"], env["OMP_NUM_THREADS"]) == ("1", "1")
     assert "GOMP_CPU_AFFINITY" not in launch_env(1, None, "decode", engine_kwargs={"distributed_executor_backend": "mp"})
     assert launch_env(1, {"OMP_NUM_THREADS": "1"}, "decode")["OMP_NUM_THREADS"] == "1"  # extra_env wins
+
+
+def test_cpu_pd_engines_keep_conv_state_in_vllms_default_layout():
+    """CPU prefill and decode engines run the SD conv-state layout vLLM's plain server runs (vLLM-CPU would pick DS
+    for any NIXL connector); a pool's env wins; engines without a role and CUDA engines are left to vLLM / the pool."""
+    from actors.engine import launch_env
+
+    for role in ("prefill", "decode"):
+        assert launch_env(2, None, role)["VLLM_SSM_CONV_STATE_LAYOUT"] == "SD"
+    assert launch_env(2, {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}, "decode")["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+    assert "VLLM_SSM_CONV_STATE_LAYOUT" not in launch_env(2, None, None)
+    assert "VLLM_SSM_CONV_STATE_LAYOUT" not in launch_env(2, None, "decode", "cuda")

@@ -40,6 +40,10 @@ def reference(pd):
 
 
 def test_every_pair_was_negotiated(pd):
+    # every engine keeps its conv state in vLLM's default SD layout (actors.engine.CPU_CONV_STATE_LAYOUT), so the
+    # reads and the byte-class test below move SD bytes (tests/test_disagg_mamba2.py runs DS)
+    layouts = {key: {r["layout"]["conv_layout"] for r in ray.get(e.registration()).ranks} for key, e in pd.engines.items()}
+    assert layouts == {key: {"SD"} for key in pd.engines}
     desc = ray.get(pd.coordinator.describe.remote())
     pairs = {(p["prefill"], p["decode"]): p["tp_ratio"] for p in desc["pairs"]}
     assert pairs == {(f"prefill-tp{p}", f"decode-tp{d}"): (d // p if d >= p else -(p // d)) for p, d in PAIRS}

@@ -8,6 +8,7 @@ short requests only). The GDN family's TP 4 decode side runs in test_disagg_gdn_
 from __future__ import annotations
 
 import pytest
+import ray
 
 from cluster.core.models import ensure_model
 from tests.pd_helpers import PDCluster, colocated, gather, oracle, prompts, run_pair, unseen_byte_classes
@@ -19,8 +20,9 @@ PAIRS = [(1, 2), (2, 1)]
 
 @pytest.fixture(scope="module")
 def pd(ray_local):
+    # the DS conv-state layout (vLLM's stock NIXL layout, the one CUDA engines run), where the GDN modules run SD
     cluster = PDCluster(ensure_model("mamba2"), [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2), ("decode", 4)],
-                        "mamba2")
+                        "mamba2", extra_env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"})
     print(f"engine startup seconds: {cluster.startup_s}")
     yield cluster
     cluster.stop()
@@ -33,6 +35,7 @@ def reference(pd):
     a = gather(colocated(pd.engines[("decode", 1)], p) for p in prompts())
     b = gather(colocated(pd.engines[("prefill", 2)], p) for p in prompts())
     assert a == b == [oracle(p, kind="mamba2") for p in prompts()]
+    assert {r["layout"]["conv_layout"] for e in pd.engines.values() for r in ray.get(e.registration()).ranks} == {"DS"}
     return a
 
 
