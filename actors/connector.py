@@ -326,6 +326,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             ("block_size", d.block_size, mine["block_size"]),
             ("kernel_block_size", d.kernel_block_size, mine["kernel_block_size"]),
             ("page_bytes", d.page_bytes, mine["page_bytes"]),
+            ("conv_layout", d.conv_layout, mine["conv_layout"]),
             ("groups", [(g.kind, list(g.layers)) for g in d.groups], [(g["kind"], g["layers"]) for g in mine["groups"]]),
         ):
             if planned != actual:

@@ -17,12 +17,12 @@ from cluster.core.wire import pair_from_dict, pair_to_dict
 MODEL = model_shape(load_config("configs/models/qwen3.5-0.8b.json"))
 
 
-def layout(tp: int, dtype: str = "bfloat16"):
-    return offline_layout(MODEL, tp, dtype, "float32")
+def layout(tp: int, dtype: str = "bfloat16", conv_layout: str = "DS"):
+    return offline_layout(MODEL, tp, dtype, "float32", conv_layout=conv_layout)
 
 
-def record(role: str, i: int, tp: int, dtype: str = "bfloat16", model: str = "m") -> EngineRecord:
-    lay = layout(tp, dtype)
+def record(role: str, i: int, tp: int, dtype: str = "bfloat16", model: str = "m", conv_layout: str = "DS") -> EngineRecord:
+    lay = layout(tp, dtype, conv_layout)
     ranks = [{"agent_metadata": bytes([i, r]) * 8, "region_bases": [4096 * (r + 1)] * lay.num_regions, "device_id": r}
              for r in range(tp)]
     return EngineRecord(f"{role}-{i}", role, model, lay, ranks)
@@ -61,6 +61,18 @@ def test_refused_engine_registers_nothing():
     with pytest.raises(RegistrationError, match="already registered"):
         c.register(record("decode", 0, 2))
     assert sorted(c.engines) == ["decode-0", "prefill-0"] and list(c.pairs) == [("prefill-0", "decode-0")]
+
+
+def test_an_engine_in_the_other_conv_layout_is_refused_with_both_values():
+    """SD engines pair with SD engines (and DS with DS) at any TP pair; a DS engine joining SD pools is refused,
+    naming the field and both layouts, and registers nothing."""
+    c = Coordinator()
+    c.register(record("prefill", 0, 1, conv_layout="SD"))
+    assert c.register(record("decode", 0, 2, conv_layout="SD")) == [("prefill-0", "decode-0")]
+    with pytest.raises(RegistrationError, match=r"conv_layout: prefill has 'SD', decode has 'DS'; both engines must keep "
+                                                r"conv state in one layout"):
+        c.register(record("decode", 1, 2, conv_layout="DS"))
+    assert sorted(c.engines) == ["decode-0", "prefill-0"]
 
 
 def test_third_member_of_a_pool_is_still_checked():

@@ -288,6 +288,19 @@ def test_incompatible_dtype_refused_naming_the_field(pd):
     assert not {"decode-fp16", "prefill-fp16"} & set(ray.get(pd.coordinator.describe.remote())["engines"])
 
 
+def test_engine_in_another_conv_layout_refused(pd):
+    """A decode engine that reports its conv state DS, where the prefill pool runs SD: refused at registration,
+    naming the field and both layouts (a read planned across layouts would scramble the conv state)."""
+    reg = dataclasses.replace(ray.get(pd.engines[("decode", 2)].registration()), engine_id="decode-ds")
+    for rank in reg.ranks:
+        assert rank["layout"]["conv_layout"] == "SD"
+        rank["layout"]["conv_layout"] = "DS"
+    with pytest.raises(RegistrationError, match=r"conv_layout: decode-ds \(decode\) is incompatible with prefill-tp\d "
+                                                r"\(prefill\): conv_layout: prefill has 'SD', decode has 'DS'"):
+        ray.get(pd.coordinator.register.remote(reg, pd.engines[("decode", 2)]))
+    assert "decode-ds" not in ray.get(pd.coordinator.describe.remote())["engines"]
+
+
 def test_engine_of_another_model_refused(pd, ray_local):
     """A real engine serving the asymmetric GDN model (twice the value heads) asks to join as a prefill engine."""
     from actors.engine import launch_engine_actor, stop_engine_actor
