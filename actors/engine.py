@@ -309,11 +309,13 @@ CPU_CONV_STATE_LAYOUT = "SD"
 def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None, device: str = "cpu",
                engine_kwargs: dict[str, Any] | None = None) -> dict[str, str]:
     """The environment an engine actor (and vLLM's processes under it) runs with: `engine_env`; on a TP 1 CPU
-    engine, the EngineCore's OpenMP binding (`in_process_env`); on a prefill engine, message-queue readers that
-    nap instead of spinning (vllm_plugin); on CPU prefill and decode engines, the SD conv-state layout
-    (`CPU_CONV_STATE_LAYOUT`). `extra_env` wins over all of it."""
+    engine, the EngineCore's OpenMP binding (`in_process_env`); on every engine, one gloo device per process
+    (vllm_plugin, PD_GLOO_SHARED_DEVICE); on a prefill engine, message-queue readers that nap instead of spinning
+    (vllm_plugin); on CPU prefill and decode engines, the SD conv-state layout (`CPU_CONV_STATE_LAYOUT`).
+    `extra_env` wins over all of it."""
     extra = dict(extra_env or {})
     env = engine_env(tp)
+    env["PD_GLOO_SHARED_DEVICE"] = os.environ.get("PD_GLOO_SHARED_DEVICE", "1")
     if role == "prefill":
         env["PD_SHM_SPIN_S"] = os.environ.get("PD_SHM_SPIN_S", "0.002")
     if role is not None and device == "cpu":

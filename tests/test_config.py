@@ -291,3 +291,13 @@ def test_cpu_pd_engines_keep_conv_state_in_vllms_default_layout():
     assert launch_env(2, {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}, "decode")["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
     assert "VLLM_SSM_CONV_STATE_LAYOUT" not in launch_env(2, None, None)
     assert "VLLM_SSM_CONV_STATE_LAYOUT" not in launch_env(2, None, "decode", "cuda")
+
+
+def test_every_engine_shares_one_gloo_device_per_process():
+    """launch_env turns on the vLLM plugin's one gloo device per process for every engine (a pool's env, or the
+    launching process's PD_GLOO_SHARED_DEVICE, may turn it off)."""
+    from actors.engine import launch_env
+
+    for role in ("prefill", "decode", None):
+        assert launch_env(2, None, role)["PD_GLOO_SHARED_DEVICE"] == "1"
+    assert launch_env(2, {"PD_GLOO_SHARED_DEVICE": "0"}, "decode")["PD_GLOO_SHARED_DEVICE"] == "0"

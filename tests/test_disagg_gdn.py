@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import os
 import re
 import socket
 
@@ -70,6 +71,27 @@ def test_compute_threads_keep_their_cores(pd):
                 continue
         expected = {rank: {int(re.split(r"[-,]", spec)[0])} for rank, spec in enumerate(CPU_BIND[tp].split("|"))}
         assert cores == expected, f"{role} TP {tp}: worker main threads on cores {cores}, bound to {expected}"
+
+
+def test_each_engine_process_runs_one_gloo_loop_thread(pd):
+    """vLLM-CPU builds ~15 gloo process groups in each process that runs the model, and stock PyTorch gives each its
+    own TCP loop thread, waking every 10 ms; the vLLM plugin (PD_GLOO_SHARED_DEVICE, set by launch_env) gives them
+    one device per process, so one loop thread, in the EngineCore of a TP 1 engine and in every worker of a TP 2 one.
+    The other tests of this module run on those shared devices (TP 2 all-reduces among them)."""
+    from actors.engine import in_process_model
+
+    for (role, tp), engine in pd.engines.items():
+        loops: dict[str, int] = {}
+        for pid in ray.get(engine.pids()):
+            try:
+                title = psutil.Process(pid).cmdline()[0]
+                names = [open(f"/proc/{pid}/task/{t}/comm").read().strip() for t in os.listdir(f"/proc/{pid}/task")]
+            except (OSError, IndexError, psutil.NoSuchProcess):
+                continue
+            if names.count("gloo_tcp_loop"):
+                loops[f"{title} ({pid})"] = names.count("gloo_tcp_loop")
+        assert len(loops) == (1 if in_process_model(tp) else tp), f"{role} TP {tp}: {loops}"
+        assert set(loops.values()) == {1}, f"{role} TP {tp}: gloo loop threads per process {loops}"
 
 
 @pytest.mark.parametrize("p_tp, d_tp", PAIRS)

@@ -33,7 +33,7 @@ print(json.dumps({"patched": patched, "cpu": time.process_time() - cpu0, "wall":
 
 def run_probe(script: str, **variables: str | None) -> dict:
     """Run `script` in a fresh interpreter with the plugin's variables set as given (None: unset); its last line."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PD_SHM_SPIN_S", "PD_CPU_KERNEL_BLOCK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PD_SHM_SPIN_S", "PD_CPU_KERNEL_BLOCK", "PD_GLOO_SHARED_DEVICE")}
     env.update({k: v for k, v in variables.items() if v is not None})
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -83,3 +83,55 @@ def test_kernel_block_variable_sets_the_cpu_attention_kernel_block():
     assert got["64"]["sizes"] == "[64]"
     for bad in ("48", "0", "-32", "x"):
         assert "PD_CPU_KERNEL_BLOCK" in got[bad]["error"], bad
+
+
+GLOO_PROBE = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+from actors.vllm_plugin import register
+register()
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
+groups = [dist.new_group([0, 1], backend="gloo") for _ in range(6)]  # vLLM-CPU builds ~15 per engine process
+sums = []
+for i, g in enumerate(groups):
+    t = torch.arange(4.0) * (rank + 1) + i
+    dist.all_reduce(t, group=g)
+    sums.append(t.tolist())
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+dist.barrier()
+dist.destroy_process_group()
+print(json.dumps({"loops": names.count("gloo_tcp_loop"), "sums": sums}))
+"""
+
+
+def gloo_probe(tmp_path: Path, value: str | None) -> list[dict]:
+    """Two processes (ranks 0 and 1) build 7 gloo groups together and all-reduce over each; each one's last line."""
+    env = {k: v for k, v in os.environ.items() if k != "PD_GLOO_SHARED_DEVICE"}
+    if value is not None:
+        env["PD_GLOO_SHARED_DEVICE"] = value
+    store = str(tmp_path / f"store-{value}")
+    procs = [subprocess.Popen([sys.executable, "-c", GLOO_PROBE, str(rank), store], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def test_gloo_groups_share_one_device_and_still_reduce(tmp_path):
+    """PD_GLOO_SHARED_DEVICE=1: one `gloo_tcp_loop` thread per process however many gloo groups it builds (stock:
+    one per group, each waking every 10 ms), and every group's all-reduce across the two processes still sums."""
+    expected = [[3.0 * k + 2 * i for k in range(4)] for i in range(6)]  # (k*1 + i) + (k*2 + i)
+    stock, shared = gloo_probe(tmp_path, None), gloo_probe(tmp_path, "1")
+    for got in stock + shared:
+        assert got["sums"] == expected
+    assert [g["loops"] for g in stock] == [7, 7]  # the world group and 6 more
+    assert [g["loops"] for g in shared] == [1, 1]
+
+
+def test_gloo_shared_device_variable_is_checked():
+    env = {**os.environ, "PD_GLOO_SHARED_DEVICE": "yes"}
+    r = subprocess.run([sys.executable, "-c", "from actors.vllm_plugin import register; register()"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "PD_GLOO_SHARED_DEVICE" in r.stderr, r.stderr[-2000:]
