@@ -1,6 +1,7 @@
-"""The vLLM plugin that makes a prefill engine's message-queue readers nap instead of spinning (actors/vllm_plugin.py):
-inert without its environment variable; with it, a reader past its short spin sleeps between checks (CPU time far
-below wall time), where vLLM's own reader spins with sched_yield for a whole second."""
+"""The project's vLLM plugin (actors/vllm_plugin.py), inert without its environment variables: PD_SHM_SPIN_S makes a
+prefill engine's message-queue readers nap past a short spin (CPU time far below wall time), where vLLM's own reader
+spins with sched_yield for a whole second; PD_CPU_KERNEL_BLOCK sets the CPU attention's kernel block (tests only);
+PD_GLOO_SHARED_DEVICE puts a process's gloo groups on one device (one TCP loop thread) and they still all-reduce."""
 
 from __future__ import annotations
 
