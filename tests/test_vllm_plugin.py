@@ -32,11 +32,20 @@ print(json.dumps({"patched": patched, "cpu": time.process_time() - cpu0, "wall":
 """
 
 
+PLUGIN_VARIABLES = ("PD_SHM_SPIN_S", "PD_CPU_KERNEL_BLOCK", "PD_GLOO_SHARED_DEVICE")
+
+
+def plugin_env(**variables: str | None) -> dict[str, str]:
+    """This process's environment with the plugin's variables set as given (None or not named: unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in PLUGIN_VARIABLES}
+    env.update({k: v for k, v in variables.items() if v is not None})
+    return env
+
+
 def run_probe(script: str, **variables: str | None) -> dict:
     """Run `script` in a fresh interpreter with the plugin's variables set as given (None: unset); its last line."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PD_SHM_SPIN_S", "PD_CPU_KERNEL_BLOCK", "PD_GLOO_SHARED_DEVICE")}
-    env.update({k: v for k, v in variables.items() if v is not None})
-    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=plugin_env(**variables), capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -87,7 +96,7 @@ def test_kernel_block_variable_sets_the_cpu_attention_kernel_block():
 
 
 GLOO_PROBE = """
-import json, os, sys, time
+import json, os, sys
 import torch, torch.distributed as dist
 from actors.vllm_plugin import register
 register()
@@ -108,9 +117,7 @@ print(json.dumps({"loops": names.count("gloo_tcp_loop"), "sums": sums}))
 
 def gloo_probe(tmp_path: Path, value: str | None) -> list[dict]:
     """Two processes (ranks 0 and 1) build 7 gloo groups together and all-reduce over each; each one's last line."""
-    env = {k: v for k, v in os.environ.items() if k != "PD_GLOO_SHARED_DEVICE"}
-    if value is not None:
-        env["PD_GLOO_SHARED_DEVICE"] = value
+    env = plugin_env(PD_GLOO_SHARED_DEVICE=value)
     store = str(tmp_path / f"store-{value}")
     procs = [subprocess.Popen([sys.executable, "-c", GLOO_PROBE, str(rank), store], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
@@ -132,7 +139,6 @@ def test_gloo_groups_share_one_device_and_still_reduce(tmp_path):
 
 
 def test_gloo_shared_device_variable_is_checked():
-    env = {**os.environ, "PD_GLOO_SHARED_DEVICE": "yes"}
     r = subprocess.run([sys.executable, "-c", "from actors.vllm_plugin import register; register()"], cwd=REPO,
-                       env=env, capture_output=True, text=True, timeout=120)
+                       env=plugin_env(PD_GLOO_SHARED_DEVICE="yes"), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "PD_GLOO_SHARED_DEVICE" in r.stderr, r.stderr[-2000:]
