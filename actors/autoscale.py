@@ -85,6 +85,18 @@ def wanted(role: str, loads: list[dict[str, float]], current: int, scaling: dict
     return Want(clamped, reason, signals)
 
 
+def bound_by_cores(want: Want, target: int, running: int, slots: int | None) -> Want:
+    """Cores as devices: a pool whose engines own their cores grows only as far as its nodes' free cores hold more
+    engines (`slots`, counted by free CPUs; replicas asked for but not yet running have not taken theirs)."""
+    if slots is None:
+        return want
+    room = target + max(0, slots - (target - running))
+    if want.replicas <= room:
+        return want
+    bounded = max(target, room)
+    return Want(bounded, f"{want.reason} (wants {want.replicas}, bounded by free cores to {bounded})", want.signals)
+
+
 class Hysteresis:
     """Turns a stream of wanted counts into decisions: a change must be asked for continuously for its delay."""
 
@@ -107,9 +119,11 @@ class PoolPolicy:
     """Ray Serve custom autoscaling policy of one pool (a class policy: Serve builds it once with `policy_kwargs`)."""
 
     def __init__(self, role: str, min_replicas: int, max_replicas: int, scaling: dict[str, Any],
-                 coordinator: str | None = None, namespace: str | None = None):
+                 coordinator: str | None = None, namespace: str | None = None, cores_per_engine: int = 0,
+                 labels: dict[str, str] | None = None):
         self.role, self.min, self.max, self.scaling = role, min_replicas, max_replicas, scaling
         self.coordinator, self.namespace = coordinator, namespace
+        self.cores_per_engine, self.labels = cores_per_engine, labels or {}
         self.hysteresis = Hysteresis(scaling["upscale_delay_s"], scaling["downscale_delay_s"])
         self._handle: Any = None
         self._last_report = 0.0
@@ -125,6 +139,8 @@ class PoolPolicy:
         low = max(self.min, ctx.capacity_adjusted_min_replicas)
         high = max(low, min(self.max, ctx.capacity_adjusted_max_replicas))
         want = wanted(self.role, list(per_replica.values()), len(running), self.scaling, low, high)
+        if want.replicas > target and self.cores_per_engine:
+            want = bound_by_cores(want, target, len(running), self._engine_slots())
         # an engine that did not report (or left out a signal it could not read, e.g. its cache usage) is unknown, not
         # idle: never shrink on partial data (growing on it is safe: the reporting engines' load is a lower bound)
         complete = [r for r, load in per_replica.items() if all(name in load for name in SIGNALS[self.role])]
@@ -142,6 +158,16 @@ class PoolPolicy:
             self._report("record_pool_signal", self.role, {"target": target, "running": len(running),
                                                            "reporting": len(per_replica), **want.signals})
         return target, {"wanted": want.replicas, "reason": want.reason}
+
+    def _engine_slots(self) -> int | None:
+        """How many more of this pool's engines the free cores of its nodes hold (None: unknown)."""
+        try:
+            from actors.cores import engine_slots
+
+            return engine_slots(self.cores_per_engine, self.labels)[0]
+        except Exception as e:  # noqa: BLE001 - scaling goes on without the bound
+            log.warning("autoscaling policy of the %s pool could not read the nodes' free cores: %s", self.role, e)
+            return None
 
     def _report(self, method: str, *args: Any) -> None:
         """Fire-and-forget to the coordinator (absent in unit tests; a restarting coordinator just misses one)."""

@@ -2,7 +2,9 @@
 
 `EngineActor` hosts one `AsyncLLM` for a model directory at a tensor-parallel size. vLLM starts its own processes
 as plain subprocesses of the actor (an EngineCore, and above TP 1 or on GPUs one worker per TP rank; a TP 1 CPU
-engine runs its model in its EngineCore, see `in_process_model`), so the actor itself takes `num_cpus=0`.
+engine runs its model in its EngineCore, see `in_process_model`), so the actor itself takes `num_cpus=0` - unless
+it owns cores (`own_cores`, "cores as devices"): then it takes that many CPUs from Ray and binds its processes to
+cores of its node that no other engine holds (`actors.cores`).
 The per-engine environment (`engine_env`) travels in the actor's `runtime_env`; vLLM's processes inherit it, and a
 private TMPDIR that the actor creates. Engines run eagerly by default (no torch.compile): startup ~15-30 s on
 2 cores instead of ~45-90 s. `kv_transfer_config` and `engine_kwargs` pass straight to vLLM's engine arguments.
@@ -23,6 +25,7 @@ Typical use:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import random
@@ -36,14 +39,15 @@ from typing import Any
 import psutil
 import ray
 
+from actors.cores import bind_this_thread, lease_cores, node_cores, normal_priority, thread_affinities, unbind_thread
 from actors.engine_client import ENGINE_PREFIX, EngineClient, Health
 from actors.engine_load import LoadMixin
 from actors.engine_pairs import PairsMixin
 from actors.engine_procs import ProcessesMixin, _running
 from actors.engine_serving import ServingMixin, _ranked
 from actors.engine_verify import VerifyMixin
+from cluster.core.cores import format_cores, omp_bind, shared_bind
 
-CPU_BIND = {1: "0-1", 2: "0|1", 4: "0|1|0|1"}  # VLLM_CPU_OMP_THREADS_BIND per TP size on the 2-core machines
 DEFAULT_START_TIMEOUT_S = 300.0
 CONNECTOR_MODULE = "actors.connector"
 log = logging.getLogger("pd.engine")
@@ -124,15 +128,16 @@ def free_port() -> int:
 
 
 def engine_env(tp: int, extra_env: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for one CPU engine: 1 GiB KV space, no reserved CPU, an explicit thread binding per TP rank
-    (vLLM's automatic binding asserts on a 1-NUMA-node machine at TP 2), its own NIXL side-channel port, and OpenMP
+    """Environment for one CPU engine: 1 GiB KV space, no reserved CPU, an explicit thread binding per TP rank over
+    this process's cores (`shared_bind`; vLLM's automatic binding asserts on a 1-NUMA-node machine at TP 2; engine
+    actors bind again when they start, to their own node's cores), its own NIXL side-channel port, and OpenMP
     threads that sleep instead of spinning when they wait (`PD_OMP_WAIT_POLICY`, default PASSIVE): engines share
     cores, and an idle engine's spinning threads starved a busy one - a TP 1 decode of 160 tokens next to an idle
     TP 1 engine took 52 s spinning, 1.4 s passive; a TP 2 decode alone 3.7 vs 3.2 s."""
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_OMP_THREADS_BIND": CPU_BIND.get(tp, "nobind"),
+        "VLLM_CPU_OMP_THREADS_BIND": shared_bind(sorted(os.sched_getaffinity(0)), tp),
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         "OMP_WAIT_POLICY": os.environ.get("PD_OMP_WAIT_POLICY", "PASSIVE"),
     }
@@ -158,9 +163,13 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         engine_id: str | None = None,
         served_model: str = "tiny-hybrid",
         device: str = "cpu",
+        own_cores: int = 0,
     ) -> None:
         self.model_dir = str(model_dir)
         self.tp = tp
+        self.device = device
+        self.own_cores = own_cores  # cores this engine takes for itself at start (0: it shares the node's cores)
+        self.lease = None  # actors.cores.CoreLease once taken
         self.role, self.served_model = role, served_model
         self.engine_id = engine_id or f"{role or 'engine'}-{uuid.uuid4().hex[:8]}"
         self.kwargs = vllm_engine_args(self.model_dir, tp, max_model_len=max_model_len, dtype=dtype,
@@ -184,13 +193,34 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
 
         args = AsyncEngineArgs(**self.kwargs)
         t0 = time.monotonic()
+        normal_priority(f"engine {self.engine_id}")  # before vLLM's processes start: they inherit it
+        actor_cores = os.sched_getaffinity(0)
+        cores = self._take_cores()
+
+        def build() -> Any:
+            if not cores:
+                return AsyncLLM.from_engine_args(args)
+            # vLLM's processes start from this thread: they (and every thread of theirs) inherit its cores. The
+            # threads it starts in this actor (vLLM's client side: output handling, sockets) go back to the
+            # actor's cores afterwards, like the rest of the control plane
+            before = set(thread_affinities(os.getpid()))
+            bind_this_thread(cores)
+            try:
+                return AsyncLLM.from_engine_args(args)
+            finally:
+                for tid in set(thread_affinities(os.getpid())) - before:
+                    unbind_thread(tid, actor_cores)
+
+        builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pd-engine-build")
         try:
-            self.engine = await asyncio.wait_for(asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout_s)
+            self.engine = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(builder, build), timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"vLLM engine for {self.model_dir} (TP {self.tp}) did not start within {timeout_s:.0f} s; a common "
                 "cause is two engines sharing VLLM_NIXL_SIDE_CHANNEL_PORT"
             ) from None
+        finally:
+            builder.shutdown(wait=False)  # its one thread is bound to the engine's cores: used for nothing else
         self._note_shm()  # workers map theirs at start; they may die first
         if self.role is not None:
             # a fresh engine's first forward pass is several seconds slower; pay it here, not in a user's TTFT
@@ -198,6 +228,43 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
             self._total_blocks = await self.free_blocks()
         self.startup_s = time.monotonic() - t0
         return self.startup_s
+
+    def _take_cores(self) -> tuple[int, ...]:
+        """Cores as devices: take `own_cores` free cores of this node (`actors.cores.lease_cores`, refused with the
+        cores' holders named) and bind vLLM's OpenMP threads to them, one contiguous share per TP rank; the engine's
+        processes inherit the cores from the thread that starts them (`start`). An engine that shares its node's
+        cores binds its ranks over all of them (`shared_bind`), unless its pool's env names a binding; it returns ()."""
+        if self.device != "cpu":  # GPU engines own their GPUs (Ray's num_gpus)
+            return ()
+        if not self.own_cores:
+            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                bind = shared_bind(node_cores(), self.tp)
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+                if in_process_model(self.tp, self.device, self.kwargs):
+                    os.environ.update(in_process_env(bind))
+            return ()
+        if self.lease is None:
+            who = f"{self.role} pool" if self.role else ""
+            self.lease = lease_cores(self.own_cores, self.engine_id, self.node_id(), who=who)
+        cores = self.lease.cores
+        bind = omp_bind(cores, self.tp)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        if in_process_model(self.tp, self.device, self.kwargs):
+            os.environ.update(in_process_env(bind))
+        log.info("engine %s owns cores %s (OpenMP binding %s)", self.engine_id, format_cores(cores), bind)
+        return cores
+
+    def cores(self) -> tuple[int, ...]:
+        """The cores this engine owns; () when it shares its node's cores."""
+        return self.lease.cores if self.lease is not None else ()
+
+    async def shutdown(self, timeout_s: float = 30.0) -> list[str]:
+        """`ProcessesMixin.shutdown`, then the engine's cores are free for the next engine."""
+        try:
+            return await ProcessesMixin.shutdown(self, timeout_s)
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
     async def generate(
         self,
@@ -307,22 +374,26 @@ CPU_CONV_STATE_LAYOUT = "SD"
 
 
 def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None, device: str = "cpu",
-               engine_kwargs: dict[str, Any] | None = None) -> dict[str, str]:
-    """The environment an engine actor (and vLLM's processes under it) runs with: `engine_env`; on a TP 1 CPU
-    engine, the EngineCore's OpenMP binding (`in_process_env`); on every engine, one gloo device per process
-    (vllm_plugin, PD_GLOO_SHARED_DEVICE); on a prefill engine, message-queue readers that nap instead of spinning
-    (vllm_plugin); on CPU prefill and decode engines, the SD conv-state layout (`CPU_CONV_STATE_LAYOUT`).
-    `extra_env` wins over all of it."""
+               engine_kwargs: dict[str, Any] | None = None, own_cores: int = 0) -> dict[str, str]:
+    """The environment an engine actor (and vLLM's processes under it) runs with: `engine_env` less the OpenMP
+    binding, which a CPU engine sets when it starts, from the cores of its node it owns or shares
+    (`EngineActor._take_cores`; a TP 1 engine's EngineCore runs the model, bound by `in_process_env`), unless
+    `extra_env` names one for an engine that shares cores; on every engine, one gloo device per process (vllm_plugin,
+    PD_GLOO_SHARED_DEVICE); on a prefill engine, message-queue readers that nap instead of spinning (vllm_plugin);
+    on CPU prefill and decode engines, the SD conv-state layout (`CPU_CONV_STATE_LAYOUT`). `extra_env` wins over
+    all of it."""
     extra = dict(extra_env or {})
     env = engine_env(tp)
+    del env["VLLM_CPU_OMP_THREADS_BIND"]  # the engine binds when it starts, to its node's cores (`_take_cores`)
     env["PD_GLOO_SHARED_DEVICE"] = os.environ.get("PD_GLOO_SHARED_DEVICE", "1")
     if role == "prefill":
         env["PD_SHM_SPIN_S"] = os.environ.get("PD_SHM_SPIN_S", "0.002")
     if role is not None and device == "cpu":
         env["VLLM_SSM_CONV_STATE_LAYOUT"] = CPU_CONV_STATE_LAYOUT
-    if in_process_model(tp, device, engine_kwargs):
-        bind = extra.get("VLLM_CPU_OMP_THREADS_BIND", env["VLLM_CPU_OMP_THREADS_BIND"])
-        env.update(in_process_env(bind))
+    if in_process_model(tp, device, engine_kwargs) and "VLLM_CPU_OMP_THREADS_BIND" in extra and not own_cores:
+        env.update(in_process_env(extra["VLLM_CPU_OMP_THREADS_BIND"]))  # a binding the pool names itself
+    elif in_process_model(tp, device, engine_kwargs):
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the rest of `in_process_env` follows the cores at start
     env.update(extra)
     return env
 
@@ -367,17 +438,24 @@ def launch_engine_actor(
     namespace: str | None = None,
     label_selector: dict[str, str] | None = None,
     resources: dict[str, float] | None = None,
+    own_cores: int = 0,
     **actor_kwargs: Any,
 ) -> tuple[EngineClient, Any]:
     """Create an `EngineActor` and begin its start; returns (its `EngineClient`, ref to the startup seconds).
     Lets a caller start several engines at once. `actor_kwargs` go to the actor (role, engine_id, served_model,
     max_model_len, dtype, device). On CUDA hosts pass `num_gpus=tp`: Ray then sets the actor's CUDA_VISIBLE_DEVICES,
     which vLLM's worker processes inherit. `label_selector` / `resources`: the Ray nodes it may run on (a pool's
-    `placement`)."""
-    env = launch_env(tp, extra_env, actor_kwargs.get("role"), actor_kwargs.get("device", "cpu"), engine_kwargs)
+    `placement`). `own_cores`: CPU hosts, cores as devices - the engine takes that many free cores of its node for
+    itself (`actors.cores`), and Ray counts them as the actor's CPUs, so that it places the engine only on a node with
+    that many CPUs free; 0: it shares the node's cores with everything else."""
+    env = launch_env(tp, extra_env, actor_kwargs.get("role"), actor_kwargs.get("device", "cpu"), engine_kwargs,
+                     own_cores)
     options: dict[str, Any] = {"runtime_env": {"env_vars": env}}
     if num_gpus:
         options["num_gpus"] = num_gpus
+    if own_cores:
+        options["num_cpus"] = own_cores
+        actor_kwargs["own_cores"] = own_cores
     if label_selector:
         options["label_selector"] = label_selector
     if resources:

@@ -224,6 +224,10 @@ class EngineClient:
     def side_channel_port(self) -> "ObjectRef[int]":
         return self.handle.side_channel_port.remote()
 
+    def cores(self) -> "ObjectRef[tuple[int, ...]]":
+        """The cores this engine owns on its node (`actors.cores`); () when its pool shares cores."""
+        return self.handle.cores.remote()
+
     # ---- registration and pairs (the coordinator's side) ----------------------------------------------------------
     def registration(self) -> "ObjectRef[Registration]":
         """What the coordinator's `register` takes."""

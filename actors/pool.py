@@ -27,6 +27,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from actors.cores import wait_for_cores
 from actors.engine import EngineSpec, stop_engine_actors
 from actors.engine_client import EngineClient
 
@@ -62,6 +63,9 @@ class PoolReplica:
         t0 = time.time()
         self.coordinator = ray.get_actor(spec.coordinator, namespace=spec.namespace)
         self.engine_id = await self.coordinator.claim_engine_id.remote(self.role)
+        need = spec.engine.device_options.get("own_cores", 0)
+        if need:  # cores as devices: a clear refusal, not an engine actor waiting for free CPUs forever
+            await asyncio.to_thread(wait_for_cores, need, spec.labels, f"{self.role} pool ({self.engine_id})")
         engine, started = spec.engine.launch(self.engine_id, spec.namespace)
         self.engine = engine
         try:
@@ -78,8 +82,10 @@ class PoolReplica:
                 self.engine = None
                 await asyncio.to_thread(stop_engine_actors, [engine])
             raise
+        cores = await engine.cores()
         self.joined = {
-            "engine_id": self.engine_id, "role": self.role, "tp": spec.engine.tp, "replica_started": t0,
+            "engine_id": self.engine_id, "role": self.role, "tp": spec.engine.tp, "cores": list(cores),
+            "replica_started": t0,
             "registered": t_registered, "total_s": t_registered - t0,
             "phases": {"actor_start_s": t_actor - t0, "engine_load_s": t_loaded - t_actor,
                        "registration_s": t_registered - t_loaded},
@@ -194,7 +200,8 @@ def pool_deployment(role: str, spec: PoolSpec, min_replicas: int, max_replicas: 
             "upscale_delay_s": 0, "downscale_delay_s": 0,
             "policy": {"policy_function": PoolPolicy, "policy_kwargs": {
                 "role": role, "min_replicas": min_replicas, "max_replicas": max_replicas, "scaling": scaling,
-                "coordinator": spec.coordinator, "namespace": spec.namespace}},
+                "coordinator": spec.coordinator, "namespace": spec.namespace,
+                "cores_per_engine": spec.engine.device_options.get("own_cores", 0), "labels": dict(spec.labels)}},
         }
     else:
         options["num_replicas"] = min_replicas

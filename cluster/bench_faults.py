@@ -125,6 +125,9 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
     data = base.model_dump()
     data["prefill"].update(min_replicas=n_prefill, max_replicas=n_prefill)
     data["decode"].update(min_replicas=n_decode, max_replicas=n_decode, **({"tp": args.decode_tp} if args.decode_tp else {}))
+    if n_prefill * data["prefill"]["tp"] + n_decode * data["decode"]["tp"] > len(os.sched_getaffinity(0)):
+        # more ranks than cores (three engines on 2 cores): what is measured here is failover, not speed
+        data["prefill"]["share_cores"] = data["decode"]["share_cores"] = True
     # a namespace per scenario: a SIGKILLed engine's actor name may stay taken for a while
     data["coordinator"].update(name=f"coordinator-faults-{name}", namespace=f"{base.coordinator.namespace}-faults-{name}")
     cfg = type(base).model_validate(data)

@@ -132,7 +132,11 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     from actors.pool import pool_app_name, pool_deployment
 
     t0 = time.monotonic()
+    from actors.cores import free_cpus_per_node
+
     check_placement(cfg, ray.nodes())
+    for note in check_cores(cfg, ray.nodes(), free_cpus_per_node()):
+        progress(note)
     cluster = _start_coordinator(cfg, progress)
     # the pools take no HTTP: the front end (actors.frontend) serves it. Serve's controller wakes every 0.1 s by
     # default (5% of a core here, idle); every 0.5 s is ample for two pools scaled on seconds-long windows
@@ -171,7 +175,8 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
                 progress(f"  loading engines ({time.monotonic() - t0:.0f} s); registered so far: {ready}")
         cluster.refresh_engines()
         for info in ray.get(cluster.coordinator.pool_events.remote())["joins"]:
-            progress(f"{info['engine_id']} (TP {info['tp']}) joined in {info['total_s']:.0f} s ({_phases(info, 0)})")
+            progress(f"{info['engine_id']} (TP {info['tp']}{_cores(info)}) joined in {info['total_s']:.0f} s "
+                     f"({_phases(info, 0)})")
         pairs = ray.get(cluster.coordinator.describe.remote())["pairs"]
         progress("negotiated pairs: " + ", ".join(f"{p['prefill']}->{p['decode']}" for p in pairs))
         cluster.timings["engines_s"] = cluster.timings["registered_s"] = time.monotonic() - t0
@@ -182,6 +187,13 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     finally:
         pool_exec.shutdown(wait=False, cancel_futures=True)
     return cluster
+
+
+def _cores(join: dict[str, Any]) -> str:
+    """", cores 0-1" for an engine that owns cores, "" for one that shares its node's."""
+    from cluster.core.cores import format_cores
+
+    return f", cores {format_cores(join['cores'])}" if join.get("cores") else ""
 
 
 def _phases(join: dict[str, Any], digits: int) -> str:
@@ -195,7 +207,11 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
     from actors.engine import stop_engine_actors
 
     t0 = time.monotonic()
+    from actors.cores import free_cpus_per_node
+
     check_placement(cfg, ray.nodes())
+    for note in check_cores(cfg, ray.nodes(), free_cpus_per_node()):
+        progress(note)
     cluster = _start_coordinator(cfg, progress)
     coordinator = cluster.coordinator
 
@@ -215,7 +231,9 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
             done, _ = ray.wait(list(pending), timeout=10)
             for ref in done:
                 engine_id, tp = pending.pop(ref)
-                progress(f"{engine_id} (TP {tp}) loaded in {ray.get(ref):.0f} s")
+                took = ray.get(ref)
+                cores = ray.get(cluster.engines[engine_id].cores())
+                progress(f"{engine_id} (TP {tp}{_cores({'cores': cores})}) loaded in {took:.0f} s")
             if pending and not done:
                 progress(f"  still loading: {', '.join(e for e, _ in pending.values())} ({time.monotonic() - t0:.0f} s)")
         cluster.timings["engines_s"] = time.monotonic() - t0
@@ -278,6 +296,8 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
 
     pool = getattr(cfg, role)
     engine_kwargs: dict[str, Any] = {"enable_prefix_caching": prefix_caching(cfg, role, model_dir)}
+    if pool.max_num_batched_tokens is not None:
+        engine_kwargs["max_num_batched_tokens"] = pool.max_num_batched_tokens
     placement = engine_placement(pool)
     if cfg.device == "cuda":
         engine_kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
@@ -289,7 +309,8 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
     block_size = cpu_block_size(cfg, model_dir)
     if block_size is not None:
         engine_kwargs["block_size"] = block_size
-    return {"extra_env": {**env, **pool.env}, "engine_kwargs": engine_kwargs, **placement}
+    return {"extra_env": {**env, **pool.env}, "engine_kwargs": engine_kwargs, "own_cores": pool.cores_per_engine,
+            **placement}
 
 
 def check_placement(cfg: DeployConfig, nodes: list[dict[str, Any]]) -> None:
@@ -312,6 +333,65 @@ def check_placement(cfg: DeployConfig, nodes: list[dict[str, Any]]) -> None:
                               f"{want.resources} (nodes: {seen})")
 
 
+def _eligible(pool: PoolConfig, node: dict[str, Any]) -> bool:
+    want = pool.placement
+    return (all((node.get("Labels") or {}).get(k) == v for k, v in want.labels.items())
+            and all((node.get("Resources") or {}).get(r, 0) >= amount for r, amount in want.resources.items()))
+
+
+def _place(owning: list[tuple[str, PoolConfig]], alive: list[dict[str, Any]], cpus: dict[str, float]) -> tuple[
+        dict[str, float], tuple[str, PoolConfig, int] | None]:
+    """First fit of every owning pool's `min_replicas` engines (prefill first) into `cpus` per node: (what is left,
+    the first (role, pool, engine number) that did not fit, or None)."""
+    left = dict(cpus)
+    for role, pool in owning:
+        need = pool.cores_per_engine
+        for i in range(pool.min_replicas):
+            node = next((n for n in alive if _eligible(pool, n) and left[n["NodeID"]] >= need), None)
+            if node is None:
+                return left, (role, pool, i + 1)
+            left[node["NodeID"]] -= need
+    return left, None
+
+
+def check_cores(cfg: DeployConfig, nodes: list[dict[str, Any]], free_cpus: dict[str, float] | None = None) -> list[str]:
+    """Cores as devices, before anything starts: every pool whose engines own their cores (`share_cores` false) must
+    find its `min_replicas` engines' cores - `cores_per_engine` CPUs on one node each, on nodes its placement allows
+    - next to the other pool's (first fit, prefill first). Refuses, naming the pool and the nodes' CPUs, a
+    deployment whose engines the nodes can never hold. Returns notes: engines that must wait for cores other work
+    holds now (`free_cpus`, each node's free CPUs by node id: Ray starts them once those are released), and pools whose
+    `max_replicas` cannot all get cores (they grow only as far as free cores allow). `nodes` as `ray.nodes()` lists
+    them."""
+    if cfg.device != "cpu":
+        return []
+    alive = [n for n in nodes if n.get("Alive")]
+    total = {n["NodeID"]: float((n.get("Resources") or {}).get("CPU", 0)) for n in alive}
+    owning = [(role, getattr(cfg, role)) for role in ("prefill", "decode") if getattr(cfg, role).cores_per_engine]
+    left, short = _place(owning, alive, total)
+    if short is not None:
+        role, pool, i = short
+        seen = ", ".join(f"{n.get('NodeManagerAddress')} {total[n['NodeID']]:g}" for n in alive) or "no live node"
+        raise DeployError(
+            f"{role}: {pool.min_replicas} engine(s) of TP {pool.tp} need {pool.cores_per_engine} core(s) of their own "
+            f"each (share_cores is false), and the Ray nodes it may use have too few CPUs for engine {i} (CPUs per "
+            f"node: {seen}; the prefill pool's engines counted first). Set {role}.share_cores: true to share cores, "
+            f"lower {role}.tp or min_replicas, or add cores")
+    notes = []
+    if free_cpus is not None:
+        now = {node: min(total[node], float(free_cpus.get(node, 0.0))) for node in total}
+        if _place(owning, alive, now)[1] is not None:
+            seen = ", ".join(f"{n.get('NodeManagerAddress')} {now[n['NodeID']]:g}" for n in alive)
+            notes.append(f"the nodes' free CPUs ({seen}) do not hold every pool's first engines now: they start as "
+                         "cores held elsewhere are released")
+    for role, pool in owning:  # how far each pool could grow on what is left
+        need, extra = pool.cores_per_engine, pool.max_replicas - pool.min_replicas
+        room = sum(int(left[n["NodeID"]] // need) for n in alive if _eligible(pool, n))
+        if room < extra:
+            notes.append(f"{role} pool: cores for {pool.min_replicas + room} of its max_replicas {pool.max_replicas} "
+                         f"engines; it grows only as far as free cores allow ({role}.share_cores: true lifts this)")
+    return notes
+
+
 def engine_placement(pool: PoolConfig) -> dict[str, Any]:
     """The Ray actor options that keep a pool's engines on the nodes its `placement` names (none: any node)."""
     placement: dict[str, Any] = {}
@@ -330,8 +410,10 @@ def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) 
     spec = engine_spec(cfg, role, model_dir)
     opts = spec.device_options
     return {
-        "env": launch_env(spec.tp, opts.get("extra_env"), role, spec.device, opts.get("engine_kwargs")),
+        "env": launch_env(spec.tp, opts.get("extra_env"), role, spec.device, opts.get("engine_kwargs"),
+                          opts.get("own_cores", 0)),
         "num_gpus": opts.get("num_gpus", 0),
+        "own_cores": opts.get("own_cores", 0),
         "label_selector": opts.get("label_selector", {}),
         "resources": opts.get("resources", {}),
         "vllm_args": vllm_engine_args(spec.model_dir, spec.tp, max_model_len=spec.max_model_len, dtype=spec.dtype,
@@ -463,7 +545,8 @@ def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = s
                 if kind == "scaling":
                     progress(f"autoscaler: {e['role']} pool {e['before']} -> {e['after']} ({e['reason']})")
                 elif kind == "joins":
-                    progress(f"{e['engine_id']} joined the {e['role']} pool in {e['total_s']:.1f} s ({_phases(e, 1)})")
+                    progress(f"{e['engine_id']} (TP {e['tp']}{_cores(e)}) joined the {e['role']} pool in "
+                             f"{e['total_s']:.1f} s ({_phases(e, 1)})")
                 else:
                     progress(f"{e['engine_id']} left the {e['role']} pool (drained in {e['drain_s']:.1f} s)")
             seen[kind] = max([seen[kind], *(e[stamp[kind]] for e in fresh)])
@@ -499,6 +582,9 @@ class _Stop(Exception):
 
 
 def _on_signal(signum, _frame) -> None:
+    # once: a second Ctrl-C (or a SIGINT and a SIGTERM together) must not break off the clean-up the first started
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Stop(signal.Signals(signum).name)
 
 

@@ -46,12 +46,13 @@ def scaled(ray_local, gdn_model):
         "model": {"path": str(gdn_model), "name": MODEL},
         # the loads repeat a fixed set of prompts: with prefix caching the prefill engines would answer them from
         # their caches and the prompt-heavy load would not load them (tests/test_prefix_caching.py covers caching)
-        "prefill": {"tp": 1, "min_replicas": 1, "max_replicas": 2, "enable_prefix_caching": False,
+        # up to 2 + 2 engines (decode at TP 2) on 2 cores: they share them (test_cores_live.py owns cores)
+        "prefill": {"tp": 1, "min_replicas": 1, "max_replicas": 2, "enable_prefix_caching": False, "share_cores": True,
                     "scaling": {**fast, "target_queued_prompt_tokens": 3000}},
         # decode waits longer to shrink: the countdown starts when test_decode_pool_grows_alone's load stops, and
         # test_decode_scale_down_with_requests_in_flight_loses_none needs its own requests decoding on both engines
         # by then (at 8 s, one run's decision came before any reached the new engine)
-        "decode": {"tp": DECODE_TP, "min_replicas": 1, "max_replicas": 2, "enable_prefix_caching": False,
+        "decode": {"tp": DECODE_TP, "min_replicas": 1, "max_replicas": 2, "enable_prefix_caching": False, "share_cores": True,
                    "scaling": {**fast, "downscale_delay_s": 15, "target_running_requests": 5}},
         "coordinator": {"name": "coordinator-autoscale", "namespace": "pd-test-autoscale"},
         "http": {"port": free_port()},

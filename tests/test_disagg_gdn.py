@@ -56,7 +56,8 @@ def test_compute_threads_keep_their_cores(pd):
     The connector puts it back: each rank's main thread stays on the first core of its VLLM_CPU_OMP_THREADS_BIND
     list, so the ranks of a TP 2 engine compute on different cores. A TP 1 engine computes in its EngineCore, bound
     as vLLM binds a worker (`actors.engine.in_process_env`)."""
-    from actors.engine import CPU_BIND, in_process_model
+    from actors.engine import in_process_model
+    from cluster.core.cores import shared_bind
 
     for (role, tp), engine in pd.engines.items():
         cores: dict[int, set[int]] = {}
@@ -69,7 +70,7 @@ def test_compute_threads_keep_their_cores(pd):
                     cores[int(m.group(1) or 0)] = set(psutil.Process(pid).cpu_affinity())
             except psutil.NoSuchProcess:
                 continue
-        expected = {rank: {int(re.split(r"[-,]", spec)[0])} for rank, spec in enumerate(CPU_BIND[tp].split("|"))}
+        expected = {rank: {int(re.split(r"[-,]", spec)[0])} for rank, spec in enumerate(shared_bind(sorted(os.sched_getaffinity(0)), tp).split("|"))}
         assert cores == expected, f"{role} TP {tp}: worker main threads on cores {cores}, bound to {expected}"
 
 

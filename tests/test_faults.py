@@ -33,7 +33,9 @@ MODEL = "tiny-hybrid"
 def served(ray_local, gdn_model):
     cfg = DeployConfig.model_validate({
         "model": {"path": str(gdn_model), "name": MODEL},
-        "decode": {"tp": 1, "min_replicas": 2, "max_replicas": 2},
+        # three engines on 2 cores: they share them (cores as devices is tested in test_cores_live.py)
+        "prefill": {"share_cores": True},
+        "decode": {"tp": 1, "min_replicas": 2, "max_replicas": 2, "share_cores": True},
         "coordinator": {"name": "coordinator-faults", "namespace": "pd-test-faults"},
         "http": {"port": free_port()},
     })

@@ -34,8 +34,10 @@ import psutil
 import pytest
 import yaml
 
+from actors.cores import thread_affinities
 from actors.engine import free_port
 from actors.engine_procs import SHM_PREFIXES
+from cluster.core.cores import parse_cores
 from tests.pd_helpers import end_processes_under, metric, oracle, processes_under, wait_for
 
 pytestmark = pytest.mark.engine
@@ -43,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MODEL = "tiny-hybrid"
 NAMESPACE = "pd-multinode"
+NODE_CORES = {"prefill": "0", "decode": "0-1"}  # PD_NODE_CORES of each pool's node (they share this machine's cores)
 IFACE = "pd0"  # the veth end inside each namespace (UCX_NET_DEVICES names it)
 START_TIMEOUT_S = 600
 MAX_TOKENS = 300  # per stream of the node-removal test: long enough to be cut in the middle
@@ -166,10 +169,11 @@ def nodes(gdn_model, tmp_path_factory):
            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
            "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
            "--temp-dir", temp_dir, "--disable-usage-stats", "--labels", "pd-node=head", env=env, timeout=120)
-        for name in ("prefill", "decode"):  # engines take no CPUs from Ray: the pools' nodes offer none to others
+        for name in ("prefill", "decode"):  # each pool's node has the cores its engine owns (cores as devices)
+            cores = NODE_CORES[name]
             sh("ip", "netns", "exec", hosts.netns(name), ray, "start", "--address", f"{hosts.head_ip}:{gcs_port}",
-               "--node-ip-address", hosts.ip(name), "--num-cpus", "0", "--labels", f"pd-node={name}",
-               "--disable-usage-stats", env=env, timeout=120)
+               "--node-ip-address", hosts.ip(name), "--num-cpus", str(len(parse_cores(cores))), "--labels",
+               f"pd-node={name}", "--disable-usage-stats", env={**env, "PD_NODE_CORES": cores}, timeout=120)
         env["RAY_ADDRESS"] = f"{hosts.head_ip}:{gcs_port}"
         port = free_port()
         ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": IFACE}  # NIXL's bytes over the bridge, not shared memory
@@ -234,6 +238,21 @@ ids = ray.get(ray.get_actor("pd-coordinator", namespace="{NAMESPACE}").describe.
 print(json.dumps({{e: ips[ray.get(EngineClient.named(e, "{NAMESPACE}").node_id())] for e in ids}}))
 """)
     assert {e.split("-")[0]: ip for e, ip in where.items()} == {"prefill": hosts.ip("prefill"), "decode": hosts.ip("decode")}, where
+    # cores as devices across nodes: each engine owns cores of its own node (PD_NODE_CORES there), one per TP rank,
+    # and every thread of its vLLM processes runs on them
+    owned = ask_ray(env, f"""
+from actors.engine_client import EngineClient
+ids = ray.get(ray.get_actor("pd-coordinator", namespace="{NAMESPACE}").describe.remote())["engines"]
+print(json.dumps({{e: [ray.get(EngineClient.named(e, "{NAMESPACE}").cores()),
+                      ray.get(EngineClient.named(e, "{NAMESPACE}").pids())[1:]] for e in ids}}))
+""")
+    for engine_id, (cores, pids) in owned.items():
+        role = engine_id.split("-")[0]
+        assert tuple(cores) == parse_cores(NODE_CORES[role]), (engine_id, cores)  # TP 1: core 0; TP 2: cores 0, 1
+        vllm = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).name().startswith("VLLM")]
+        assert len(vllm) == (1 if role == "prefill" else 3), (engine_id, pids)  # EngineCore (+ a worker per rank)
+        for pid in vllm:
+            assert all(set(c) <= set(cores) for c in thread_affinities(pid).values()), (engine_id, pid)
     nodes["idle_free"] = ask_ray(env, FREE_BLOCKS)
     value = lambda name: float(metric(httpx.get(f"{url}/metrics").text, name))  # noqa: E731
     rx0, bytes0, verified0 = hosts.rx_bytes("decode"), value("pd_transfer_bytes_total"), value("pd_transfer_verified_total")

@@ -104,6 +104,17 @@ class PoolConfig(_Strict):
         None, description="cache prompt prefixes (vLLM's prefix caching; the GDN/Mamba state in its 'align' mode): a "
         "prefill engine then computes only the prompt past its longest cached prefix, a decode engine reads only the "
         "attention blocks it lacks plus the state. Default: on wherever vLLM serves it (not for Mamba state on CPU)")
+    share_cores: bool = Field(
+        False, description="CPU hosts: false (the default) - cores as devices: each engine takes tp x cores_per_rank "
+        "free cores of its node for itself (its OpenMP threads and all its processes bound to them; Ray counts them as "
+        "the engine's CPUs, so it places an engine only on a node with that many free), as a GPU engine owns its GPUs; "
+        "an engine that cannot get them fails naming the cores and who holds them. true - the pool's engines share "
+        "every core of their node with everything else (a prefill then slows the decode steps on those cores)")
+    cores_per_rank: int = Field(1, ge=1, le=256, description="CPU hosts, share_cores false: cores each TP rank owns")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=16, le=1 << 20, description="vLLM's token budget of one engine step (default: vLLM's). On a decode "
+        "pool that prefills some requests itself (transfer.local_prefill_queue), a small budget cuts such a prompt "
+        "into chunks that share steps with the running decodes, instead of one long step that stalls them all")
     scaling: ScalingConfig = ScalingConfig()
     placement: PlacementConfig = PlacementConfig()
     env: dict[str, str] = Field(
@@ -120,6 +131,18 @@ class PoolConfig(_Strict):
                 raise ValueError(f"env: {name} is set per engine by the launcher (two engines on one host with one "
                                  "side-channel port hang at start)")
         return v
+
+    @model_validator(mode="after")
+    def _binding_follows_cores(self) -> "PoolConfig":
+        if not self.share_cores and "VLLM_CPU_OMP_THREADS_BIND" in self.env:
+            raise ValueError("env: VLLM_CPU_OMP_THREADS_BIND follows the cores each engine is given (share_cores is "
+                             "false); set share_cores: true to bind the pool's engines by hand")
+        return self
+
+    @property
+    def cores_per_engine(self) -> int:
+        """CPU hosts: the cores each engine of the pool takes for itself (0: it shares its node's cores)."""
+        return 0 if self.share_cores else self.tp * self.cores_per_rank
 
     @field_validator("tp")
     @classmethod
@@ -140,12 +163,34 @@ class PoolConfig(_Strict):
 
 
 class HttpConfig(_Strict):
-    host: str = Field("127.0.0.1", min_length=1, description="bind address; loopback unless you mean to expose it")
+    """The HTTP front end: where it listens, who may use it, and how much it takes on at once."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="bind address; loopback unless you mean to expose it "
+                      "(anything else needs an API key, or allow_unauthenticated)")
     port: int = Field(8000, ge=1, le=65535)
-    api_key: str | None = Field(None, min_length=8, description="require `Authorization: Bearer <key>` when set")
+    api_key: str | None = Field(None, min_length=8, description="require `Authorization: Bearer <key>` on every route "
+                                "but /health when set")
     api_key_env: str | None = Field(None, min_length=1, description="read the API key from this environment variable")
+    allow_unauthenticated: bool = Field(
+        False, description="DANGEROUS: serve a non-loopback host without an API key - anyone who reaches the port can "
+        "generate, read /metrics and the cluster's state. Only behind something else that authenticates clients")
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
-    retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of 503 answers")
+    retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of 503 and 429 answers")
+    max_requests_in_flight: int = Field(
+        256, ge=1, le=1 << 20, description="generation requests (/v1/completions, /v1/chat/completions) served at "
+        "once by the front end, from admission to their last byte; the others wait in the queue. 256: what the "
+        "default deployment's engines can decode at once (vLLM's default of 128 sequences per engine, up to 2 decode "
+        "engines) - more would only wait inside the engines, where the front end can no longer refuse them")
+    max_queued_requests: int = Field(
+        512, ge=0, le=1 << 20, description="generation requests waiting for one in flight to end, first come first "
+        "served; past this a request is answered 429 + Retry-After at once. 512: two full rounds of "
+        "max_requests_in_flight, so a burst waits rather than fails, while each waiter costs only its connection "
+        "and at most 64 KiB of its body (read ahead to notice a client that leaves: it gives its place back); 0: "
+        "refuse whatever cannot start now")
+    max_n: int = Field(
+        128, ge=1, le=16384, description="most choices (`n`, and `best_of`) one request may ask for; above it a 400 "
+        "naming the limit. Each choice is a request of its own on the cluster (its own prefill and pair). 128: "
+        "OpenAI's API caps n at 128 (vLLM's own cap, VLLM_MAX_N_SEQUENCES, is 16384)")
 
     @model_validator(mode="after")
     def _one_key_source(self) -> "HttpConfig":
@@ -197,7 +242,7 @@ class TransferConfig(_Strict):
 class DeployConfig(_Strict):
     model: ModelConfig = ModelConfig()
     prefill: PoolConfig = PoolConfig(tp=1)
-    decode: PoolConfig = PoolConfig(tp=2)
+    decode: PoolConfig = PoolConfig(tp=1)
     coordinator: CoordinatorConfig = CoordinatorConfig()
     http: HttpConfig = HttpConfig()
     transfer: TransferConfig = TransferConfig()

@@ -1,0 +1,150 @@
+"""Cores as devices without engines: the core-list arithmetic, the node's core leases (real flock files held by real
+processes, a holder SIGKILLed), the launcher's check that every pool's engines find cores before anything starts,
+the autoscaling bound, and the deploy fields."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from actors.autoscale import Want, bound_by_cores
+from actors.cores import CoresUnavailable, lease_cores, node_cores
+from cluster.core.config import DeployConfig, DeployError
+from cluster.core.cores import CoreSpecError, format_cores, omp_bind, parse_cores, shared_bind
+from cluster.launch import check_cores
+
+
+def test_core_lists_parse_fold_and_split_per_rank():
+    assert parse_cores("0-3,8, 10-11") == (0, 1, 2, 3, 8, 10, 11)
+    assert parse_cores("5,1,5") == (1, 5)
+    assert format_cores((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
+    for bad in ("", "a", "3-1", "1-", "-2"):
+        with pytest.raises(CoreSpecError):
+            parse_cores(bad)
+    assert omp_bind((1,), 1) == "1"
+    assert omp_bind((0, 1), 2) == "0|1"
+    assert omp_bind((7, 4, 5, 6), 2) == "4-5|6-7"
+    assert omp_bind((2, 3), 1) == "2-3"
+    with pytest.raises(CoreSpecError, match="cannot be split evenly over 2"):
+        omp_bind((0, 1, 2), 2)
+    # engines that share their node's cores: ranks split them evenly, or take them in turn
+    assert [shared_bind((0, 1), tp) for tp in (1, 2, 4)] == ["0-1", "0|1", "0|1|0|1"]
+    assert shared_bind((0, 1, 2, 3, 4), 2) == "0-1|2-3"
+    assert shared_bind(tuple(range(8)), 4) == "0-1|2-3|4-5|6-7"
+
+
+def _hold(cores: tuple[int, ...], count: int, owner: str, lock_dir: str, ready, took) -> None:
+    os.environ["PD_CORE_LOCK_DIR"] = lock_dir
+    lease = lease_cores(count, owner, "node-a", cores=cores)
+    took.put(lease.cores)
+    ready.set()
+    time.sleep(600)  # holds until killed
+
+
+@pytest.fixture
+def lock_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PD_CORE_LOCK_DIR", str(tmp_path))
+    return str(tmp_path)
+
+
+def test_a_lease_takes_free_cores_and_a_killed_holder_frees_them(lock_dir):
+    node = (0, 1, 2, 3)
+    ctx = multiprocessing.get_context("spawn")
+    ready, took = ctx.Event(), ctx.Queue()
+    holder = ctx.Process(target=_hold, args=(node, 2, "prefill-0", lock_dir, ready, took))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        assert took.get(timeout=10) == (0, 1)
+        mine = lease_cores(1, "decode-0", "node-a", cores=node)
+        assert mine.cores == (2,)  # the lowest free core, not one the other process holds
+        with pytest.raises(CoresUnavailable) as refused:
+            lease_cores(2, "decode-1", "node-a", cores=node, who="decode pool")
+        msg = str(refused.value)
+        assert msg.startswith("decode pool: decode-1 needs 2 core(s) of its own") and "1 free of its 4 (0-3)" in msg
+        assert "core 0: prefill-0 (pid" in msg and "core 2: decode-0 (pid" in msg and "share_cores: true" in msg
+        # a refused lease holds nothing: core 3 is still free
+        assert lease_cores(1, "decode-2", "node-a", cores=node).cores == (3,)
+        os.kill(holder.pid, signal.SIGKILL)  # the kernel drops a dead holder's locks: its cores are free again
+        holder.join(10)
+        again = lease_cores(2, "prefill-1", "node-a", cores=node)
+        assert again.cores == (0, 1)
+        again.release()
+        mine.release()
+        assert lease_cores(3, "decode-3", "node-a", cores=node).cores == (0, 1, 2)
+        # each node accounts for its own cores
+        assert lease_cores(4, "prefill-9", "node-b", cores=node).cores == node
+    finally:
+        if holder.is_alive():
+            holder.kill()
+
+
+def test_node_cores_follow_the_process_and_pd_node_cores(monkeypatch):
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    monkeypatch.delenv("PD_NODE_CORES", raising=False)
+    assert node_cores() == allowed
+    monkeypatch.setenv("PD_NODE_CORES", str(allowed[-1]))
+    assert node_cores() == (allowed[-1],)
+    monkeypatch.setenv("PD_NODE_CORES", f"{max(allowed) + 1}")
+    with pytest.raises(CoresUnavailable, match="may not run on"):
+        node_cores()
+
+
+def _node(node_id: str, cpus: float, labels: dict[str, str] | None = None) -> dict:
+    return {"NodeID": node_id, "Alive": True, "NodeManagerAddress": f"10.0.0.{node_id[-1]}",
+            "Resources": {"CPU": cpus}, "Labels": labels or {}}
+
+
+def test_the_launcher_refuses_pools_that_cannot_get_cores_naming_them():
+    two = [_node("n1", 2)]
+    # the embedded default: P TP 1 + D TP 1, a core each; neither pool can grow on 2 cores
+    assert check_cores(DeployConfig(), two) == []
+    growing = DeployConfig.model_validate({"prefill": {"max_replicas": 2}, "decode": {"max_replicas": 3}})
+    notes = check_cores(growing, two)
+    assert notes == ["prefill pool: cores for 1 of its max_replicas 2 engines; it grows only as far as free cores "
+                     "allow (prefill.share_cores: true lifts this)",
+                     "decode pool: cores for 1 of its max_replicas 3 engines; it grows only as far as free cores "
+                     "allow (decode.share_cores: true lifts this)"]
+    showcase = DeployConfig.model_validate({"decode": {"tp": 2}})
+    with pytest.raises(DeployError, match=r"decode: 1 engine\(s\) of TP 2 need 2 core\(s\) of their own each") as e:
+        check_cores(showcase, two)
+    assert "10.0.0.1 2" in str(e.value) and "decode.share_cores: true" in str(e.value)
+    shared = DeployConfig.model_validate({"decode": {"tp": 2, "share_cores": True}})
+    assert check_cores(shared, two) == []
+    assert check_cores(showcase, [_node("n1", 4)]) == []
+    # engines of another cluster hold cores now: the deployment starts (Ray waits for the cores), with a note
+    (waiting,) = check_cores(DeployConfig(), two, free_cpus={"n1": 1})
+    assert waiting.startswith("the nodes' free CPUs (10.0.0.1 1) do not hold every pool's first engines now")
+    assert check_cores(DeployConfig(), two, free_cpus={"n1": 2}) == []
+    # placement: the decode pool may use only the labelled node, which is too small
+    placed = DeployConfig.model_validate({"decode": {"tp": 2, "placement": {"labels": {"pd": "d"}}}})
+    with pytest.raises(DeployError, match="decode"):
+        check_cores(placed, [_node("n1", 8), _node("n2", 1, {"pd": "d"})])
+    assert check_cores(placed, [_node("n1", 1), _node("n2", 2, {"pd": "d"})]) == []
+    wide = DeployConfig.model_validate({"prefill": {"cores_per_rank": 2}, "decode": {"tp": 2, "cores_per_rank": 2}})
+    with pytest.raises(DeployError, match="decode"):  # 2 + 4 cores on 5
+        check_cores(wide, [_node("n1", 5)])
+    assert check_cores(DeployConfig.model_validate({"device": "cuda", "transfer": {"verify": 0}}), []) == []
+
+
+def test_autoscaling_grows_only_as_far_as_free_cores_allow():
+    want = Want(4, "20 sequences decoding", {"running_requests": 20.0})
+    assert bound_by_cores(want, 1, 1, None) == want  # unknown: not bounded
+    assert bound_by_cores(want, 1, 1, 5) == want
+    two = bound_by_cores(want, 1, 1, 1)
+    assert two.replicas == 2 and "bounded by free cores to 2" in two.reason
+    # a replica asked for but not running yet has not taken its cores: they are not free for another
+    assert bound_by_cores(want, 2, 1, 1).replicas == 2
+    assert bound_by_cores(want, 1, 1, 0).replicas == 1
+
+
+def test_share_cores_and_cores_per_rank_in_the_deploy_file():
+    cfg = DeployConfig.model_validate({"prefill": {"tp": 2, "cores_per_rank": 3}, "decode": {"share_cores": True}})
+    assert (cfg.prefill.cores_per_engine, cfg.decode.cores_per_engine) == (6, 0)
+    with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND follows the cores"):
+        DeployConfig.model_validate({"decode": {"env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}})
+    DeployConfig.model_validate({"decode": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}})

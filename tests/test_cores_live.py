@@ -1,0 +1,152 @@
+"""Cores as devices on live engines: the embedded default's layout (prefill TP 1 and decode TP 1 pools as Ray Serve
+deployments, each engine owning a core) - every thread of every vLLM process of an engine runs only on that engine's
+cores, and no two engines share one; a further engine is refused naming the cores and who holds them (so is a
+deployment whose pools cannot all get cores, before anything starts); and the engine Serve starts in place of a
+SIGKILLed one gets the cores the dead one freed, and serves."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import psutil
+import pytest
+import ray
+
+from actors.cores import CoresUnavailable, lease_cores, thread_affinities, wait_for_cores
+from actors.engine import free_port
+from cluster.bench_faults import kill_engine
+from cluster.core.config import DeployConfig, DeployError
+from cluster.launch import serve, start_cluster, stop_cluster
+from tests.pd_helpers import oracle, prompts, wait_for
+
+pytestmark = pytest.mark.engine
+MODEL = "tiny-hybrid"
+NAMESPACE = "pd-test-cores"
+
+
+@pytest.fixture(scope="module")
+def served(ray_local, gdn_model):
+    if len(ray.nodes()) != 1 or ray.cluster_resources().get("CPU") != 2:
+        pytest.fail("this module expects the suite's local Ray of one node with 2 CPUs (tests/conftest.py)")
+    cfg = DeployConfig.model_validate({
+        "model": {"path": str(gdn_model), "name": MODEL},
+        "prefill": {"tp": 1, "share_cores": False},
+        "decode": {"tp": 1, "share_cores": False},
+        "coordinator": {"name": "coordinator-cores", "namespace": NAMESPACE},
+        "http": {"port": free_port()},
+    })
+    cluster = serve(cfg, progress=print)
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster, shutdown_serve=True, progress=print)
+
+
+def engines_by_role(cluster) -> dict[str, tuple[str, object]]:
+    """{role: (engine id, client)} of the engines registered now (one per pool here)."""
+    found = {}
+    for engine_id, client in cluster.refresh_engines().items():
+        found[engine_id.split("-")[0]] = (engine_id, client)
+    assert set(found) == {"prefill", "decode"}, found
+    return found
+
+
+def vllm_processes(client) -> list[int]:
+    """The engine's vLLM processes (its EngineCore; workers at TP > 1), not the actor nor multiprocessing's tracker."""
+    out = []
+    for pid in ray.get(client.pids(), timeout=30)[1:]:
+        try:
+            if not any("resource_tracker" in part for part in psutil.Process(pid).cmdline()):
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def check_own_cores(cluster) -> dict[str, tuple[int, ...]]:
+    """Every thread of every vLLM process of each engine runs only on that engine's cores; the engines' cores are
+    disjoint. Returns {role: cores}."""
+    owned = {}
+    for role, (engine_id, client) in engines_by_role(cluster).items():
+        cores = tuple(ray.get(client.cores(), timeout=30))
+        assert len(cores) == 1, f"{engine_id} (TP 1) owns {cores}"
+        procs = vllm_processes(client)
+        assert procs, f"{engine_id} has no vLLM process"
+        for pid in procs:
+            threads = thread_affinities(pid)
+            assert len(threads) > 5, (engine_id, pid, threads)  # OpenMP, gloo, NIXL, zmq threads...
+            strays = {tid: c for tid, c in threads.items() if not set(c) <= set(cores)}
+            assert not strays, f"{engine_id} owns {cores} but threads of its process {pid} may run on {strays}"
+        owned[role] = cores
+    assert not set(owned["prefill"]) & set(owned["decode"]), owned
+    return owned
+
+
+def answers_right(cluster) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for prompt in prompts(seed=11, lengths=(40, 300)):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert got.choices[0].token_ids == oracle(prompt, 8), got.choices[0]
+
+
+def test_each_engines_processes_run_only_on_cores_of_its_own(served):
+    owned = check_own_cores(served)
+    assert sorted(owned["prefill"] + owned["decode"]) == [0, 1]
+    answers_right(served)
+
+
+@ray.remote(num_cpus=0)
+def _try_to_take_a_core(node_id: str) -> tuple[str, str]:
+    """On the engines' node: a third engine's lease, and a pool replica's wait for free CPUs."""
+    out = []
+    try:
+        lease_cores(1, "decode-9", node_id, who="decode pool")
+        out.append("leased")
+    except CoresUnavailable as e:
+        out.append(str(e))
+    try:
+        wait_for_cores(1, None, "decode pool (decode-9)", timeout_s=2)
+        out.append("free CPUs")
+    except CoresUnavailable as e:
+        out.append(str(e))
+    return tuple(out)
+
+
+def test_an_engine_without_free_cores_is_refused_naming_them(served, gdn_model):
+    engines_by_role(served)
+    node_id = ray.get(served.engines[next(iter(served.engines))].node_id(), timeout=30)
+    lease, wait = ray.get(_try_to_take_a_core.remote(node_id), timeout=60)
+    assert lease.startswith("decode pool: decode-9 needs 1 core(s) of its own"), lease
+    assert "0 free of its 2 (0-1)" in lease and "prefill-" in lease and "decode-" in lease and "share_cores" in lease
+    assert wait.startswith("decode pool (decode-9): a new engine needs 1 core(s) of its own on one node, and none"), wait
+    # a deployment whose pools can never all get cores is refused before anything starts (3 ranks on 2 CPUs)
+    three = DeployConfig.model_validate({
+        "model": {"path": str(gdn_model), "name": MODEL}, "decode": {"tp": 2},
+        "coordinator": {"name": "coordinator-cores-refused", "namespace": "pd-test-cores-refused"}})
+    t0 = time.monotonic()
+    with pytest.raises(DeployError, match=r"decode: 1 engine\(s\) of TP 2 need 2 core\(s\) of their own each"):
+        start_cluster(three, progress=print)
+    assert time.monotonic() - t0 < 10
+
+
+def test_the_engine_that_replaces_a_killed_one_gets_its_freed_cores(served):
+    before = check_own_cores(served)
+    dead_id, victim = engines_by_role(served)["decode"]
+    children = kill_engine(victim)
+    psutil.wait_procs(children, timeout=60)
+
+    def replaced() -> bool:
+        try:
+            now = served.refresh_engines()
+        except Exception:  # noqa: BLE001 - a coordinator busy with the death
+            return False
+        return dead_id not in now and any(e.startswith("decode-") for e in now)
+
+    took = wait_for(replaced, 300, poll_s=2)
+    print(f"{dead_id} replaced after {took:.0f} s: {sorted(served.engines)}")
+    after = check_own_cores(served)
+    assert after["decode"] == before["decode"]  # the core the dead engine held, the only one free
+    assert after["prefill"] == before["prefill"]
+    answers_right(served)
