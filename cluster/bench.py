@@ -466,10 +466,12 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--api-key-env", help="environment variable holding the API key")
     for p in (e, t, pf, c, lo):
         p.add_argument("--out-dir", default="results")
-    from cluster import bench_faults, bench_serve
+    from cluster import bench_faults, bench_goodput, bench_serve
 
     sv = sub.add_parser("serve", help="vLLM's own bench client: this cluster vs vLLM's server vs vLLM's stock P/D")
     bench_serve.add_args(sv)
+    gp = sub.add_parser("goodput", help="vLLM's own bench client, Poisson mixed lengths: goodput and ITL vs rate")
+    bench_goodput.add_args(gp)
     fa = sub.add_parser("faults", help="an engine or the coordinator SIGKILLed under streaming load, per scenario")
     bench_faults.add_args(fa)
     args = ap.parse_args(argv)
@@ -477,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.which == "serve":
         return bench_serve.main(args)
+    if args.which == "goodput":
+        return bench_goodput.main(args)
     if args.which == "faults":
         return bench_faults.main(args)
 

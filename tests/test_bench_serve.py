@@ -26,8 +26,8 @@ def test_rounds_alternate_which_target_goes_first_and_stock_pd_runs_once():
 def test_ratios_pair_each_round_with_its_own_baseline():
     # the machine slows down 2x in round 2 for both targets: the per-round ratio stays 1.2x, while medians of each
     # target's figures taken separately would be as good as the order of the runs made them
-    rows = [_row("cluster", 1, 1, 1.2), _row("vllm", 1, 1, 1.0), _row("vllm", 1, 2, 2.0), _row("cluster", 1, 2, 2.4),
-            _row("cluster", 1, 3, 1.2), _row("vllm", 1, 3, 1.0)]
+    rows = [_row("cluster", 1, 1, 1.2), _row("vllm-tp1", 1, 1, 1.0), _row("vllm-tp1", 1, 2, 2.0), _row("cluster", 1, 2, 2.4),
+            _row("cluster", 1, 3, 1.2), _row("vllm-tp1", 1, 3, 1.0)]
     got = ratios(rows)[("cluster", 1)]
     assert got["median_tpot_ms"] == pytest.approx([1.2, 1.2, 1.2])
     assert got["output_throughput"] == pytest.approx([1 / 1.2] * 3)
@@ -37,9 +37,9 @@ def test_ratios_pair_each_round_with_its_own_baseline():
 
 
 def test_summary_takes_the_median_round_and_sums_failures():
-    rows = [_row("cluster", 8, 1, 1.0, failed=1), _row("vllm", 8, 1, 1.0),
-            _row("cluster", 8, 2, 3.0), _row("vllm", 8, 2, 1.0),
-            _row("cluster", 8, 3, 1.5, failed=2), _row("vllm", 8, 3, 1.0)]
+    rows = [_row("cluster", 8, 1, 1.0, failed=1), _row("vllm-tp1", 8, 1, 1.0),
+            _row("cluster", 8, 2, 3.0), _row("vllm-tp1", 8, 2, 1.0),
+            _row("cluster", 8, 3, 1.5, failed=2), _row("vllm-tp1", 8, 3, 1.0)]
     (s,) = [s for s in summarize(rows) if s["target"] == "cluster"]
     assert s["failed"] == 3
     assert s["median_ttft_ms"] == pytest.approx(15.0)  # not the mean (18.3): one slow round does not set the figure
@@ -50,7 +50,7 @@ def test_summary_takes_the_median_round_and_sums_failures():
 
 
 def test_stock_pd_once_is_set_against_the_median_baseline():
-    rows = [_row("vllm", 1, 1, 1.0), _row("vllm", 1, 2, 3.0), _row("vllm", 1, 3, 2.0), _row("stock-pd", 1, 1, 20.0)]
+    rows = [_row("vllm-tp1", 1, 1, 1.0), _row("vllm-tp1", 1, 2, 3.0), _row("vllm-tp1", 1, 3, 2.0), _row("stock-pd", 1, 1, 20.0)]
     assert ratios(rows)[("stock-pd", 1)]["median_ttft_ms"] == pytest.approx([10.0])
 
 
@@ -60,26 +60,37 @@ def test_targets_verdicts_see_each_bound():
         for rnd in (1, 2):
             c1, c8 = _row("cluster", 1, rnd, 1.0), _row("cluster", 8, rnd, 1.0)
             c1["median_tpot_ms"], c1["median_ttft_ms"], c8["output_throughput"] = 10 * tpot, 10 * ttft, 100 * tok
-            rows += [c1, c8, _row("vllm", 1, rnd, 1.0), _row("vllm", 8, rnd, 1.0)]
+            rows += [c1, c8, _row("vllm-tp1", 1, rnd, 1.0), _row("vllm-tp1", 8, rnd, 1.0)]
         return check_targets(summarize(rows + [_row("stock-pd", 1, 1, stock), _row("stock-pd", 8, 1, stock)]))
 
-    ok = run(1.1, 1.4, 0.85, 5.0)
+    ok = run(0.95, 1.25, 1.15, 5.0)
     assert len(ok) == 5 and all(line.endswith(("met", "met)")) and "MISSED" not in line for line in ok), ok
-    missed = run(1.2, 1.6, 0.75, 5.0)
+    missed = run(1.05, 1.35, 1.05, 5.0)
     assert all(line.endswith("MISSED)") for line in missed[:3]), missed
-    assert "1.20x" in missed[0] and "1.60x" in missed[1] and "0.75x" in missed[2]
-    assert "(rounds: 1.20x, 1.20x)" in missed[0]  # every round's ratio beside the median
+    assert "1.05x" in missed[0] and "1.35x" in missed[1] and "1.05x" in missed[2]
+    assert "(rounds: 1.05x, 1.05x)" in missed[0]  # every round's ratio beside the median
     behind = run(1.0, 1.0, 1.0, 0.5)  # stock P/D twice as fast on everything: behind on all eight figures
     assert behind[3].startswith("concurrency 1: ahead of vLLM's stock P/D on every figure: MISSED")
     assert all(k in behind[3] for k in METRICS)
-    rows = [_row("cluster", 8, 1, 1.0), _row("vllm", 8, 1, 1.0),
+    rows = [_row("cluster", 8, 1, 1.0), _row("vllm-tp1", 8, 1, 1.0),
             {**_row("stock-pd", 8, 1, 1.0), "failed": "timed out after 600 s", **{k: None for k in METRICS}}]
     (timed_out,) = check_targets(summarize(rows))[3:]
     assert timed_out.endswith("met (vLLM's stock P/D: timed out after 600 s)"), timed_out
 
 
+def test_the_baseline_is_vllms_better_server_figure_by_figure():
+    # TP 2 has the lower TTFT, TP 1 the higher throughput: each ratio is taken against the better of the two
+    tp1, tp2 = _row("vllm-tp1", 8, 1, 1.0), _row("vllm-tp2", 8, 1, 2.0)
+    tp2["median_ttft_ms"] = 5.0
+    got = ratios([_row("cluster", 8, 1, 1.0), tp1, tp2])[("cluster", 8)]
+    assert got["median_ttft_ms"] == pytest.approx([2.0])  # 10 ms against TP 2's 5
+    assert got["output_throughput"] == pytest.approx([1.0])  # 100 tok/s against TP 1's 100, not TP 2's 50
+    assert got["median_tpot_ms"] == pytest.approx([1.0])
+    assert {s["target"] for s in summarize([_row("cluster", 8, 1, 1.0), tp1, tp2]) if s["ratio"]} == {"cluster"}
+
+
 def test_table_prints_the_median_ratio():
-    rows = [_row("cluster", 1, 1, 1.1), _row("vllm", 1, 1, 1.0), _row("cluster", 1, 2, 1.3), _row("vllm", 1, 2, 1.0)]
+    rows = [_row("cluster", 1, 1, 1.1), _row("vllm-tp1", 1, 1, 1.0), _row("cluster", 1, 2, 1.3), _row("vllm-tp1", 1, 2, 1.0)]
     lines = table(summarize(rows))
     assert lines[2].startswith("| cluster | 1 | 0 | 12.0 (1.20x) |") and "(" not in lines[3]
 
