@@ -449,6 +449,8 @@ def frontend_settings(cluster: Cluster):
         first_token_from_prefill=cfg.transfer.first_token_from_prefill,
         local_prefill_queue=cfg.transfer.local_prefill_queue,
         local_prefill_when_idle=cfg.transfer.local_prefill_when_idle,
+        max_requests_in_flight=cfg.http.max_requests_in_flight, max_queued_requests=cfg.http.max_queued_requests,
+        max_n=cfg.http.max_n,
     )
 
 

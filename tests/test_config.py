@@ -21,8 +21,14 @@ def write(tmp_path: Path, data) -> Path:
 
 def test_default_deployment_is_the_embedded_one():
     cfg = load_deploy(ROOT / "deploy.yaml")
-    assert (cfg.model.builtin, cfg.prefill.tp, cfg.decode.tp, cfg.device) == ("gdn", 1, 2, "cpu")
-    assert cfg.prefill.autoscaling and cfg.decode.autoscaling  # each pool 1..2 engines
+    assert (cfg.model.builtin, cfg.prefill.tp, cfg.decode.tp, cfg.device) == ("gdn", 1, 1, "cpu")
+    # cores as devices: each engine on a core of its own, every request disaggregated
+    assert (cfg.prefill.cores_per_engine, cfg.decode.cores_per_engine) == (1, 1)
+    assert cfg.transfer.local_prefill_queue is None
+    assert cfg.prefill.autoscaling and cfg.decode.autoscaling  # each pool 1..2 engines (as far as free cores allow)
+    showcase = load_deploy(ROOT / "configs" / "deploy-tp-showcase.yaml")  # the differing-TP layout, sharing cores
+    assert (showcase.prefill.tp, showcase.decode.tp) == (1, 2)
+    assert showcase.prefill.share_cores and showcase.decode.share_cores
     assert cfg.http.host == "127.0.0.1" and cfg.http.api_key is None
     assert DeployConfig().http.host == "127.0.0.1"  # loopback also when the file says nothing
 
@@ -137,9 +143,18 @@ def test_placement_and_env_reach_the_engines(tmp_path):
     assert prefill["resources"] == {"pd_prefill_slot": 1.0} and prefill["label_selector"] == {}
     assert decode["env"]["UCX_TLS"] == "tcp" and decode["env"]["OMP_WAIT_POLICY"] == "ACTIVE"  # the pool's word wins
     assert "UCX_TLS" not in prefill["env"] and prefill["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
-    # a TP 1 CPU engine runs its model in its EngineCore ("uni"), bound as vLLM's mp executor binds a worker
+    # a TP 1 CPU engine runs its model in its EngineCore ("uni"); one that owns its cores is bound when it starts,
+    # to the cores it gets (tests/test_cores_live.py), one that shares them as vLLM's mp executor binds a worker
     assert prefill["vllm_args"]["distributed_executor_backend"] == "uni"
-    assert {k: prefill["env"][k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY")} == {
+    assert (prefill["own_cores"], decode["own_cores"]) == (1, 2)
+    assert prefill["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert not {"VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY"} & prefill["env"].keys()
+    shared = engine_launch(DeployConfig.model_validate({"prefill": {"share_cores": True}}), "prefill", str(tmp_path),
+                           "prefill-0")
+    assert shared["own_cores"] == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in shared["env"]  # its node's cores, at start
+    named = engine_launch(DeployConfig.model_validate({"prefill": {"share_cores": True, "env": {
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1"}}}), "prefill", str(tmp_path), "prefill-0")
+    assert {k: named["env"][k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY")} == {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": "0 1"}
     assert decode["vllm_args"]["distributed_executor_backend"] == "mp"
     assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "GOMP_CPU_AFFINITY"} & decode["env"].keys()
@@ -301,3 +316,69 @@ def test_every_engine_shares_one_gloo_device_per_process():
     for role in ("prefill", "decode", None):
         assert launch_env(2, None, role)["PD_GLOO_SHARED_DEVICE"] == "1"
     assert launch_env(2, {"PD_GLOO_SHARED_DEVICE": "0"}, "decode")["PD_GLOO_SHARED_DEVICE"] == "0"
+
+
+def test_a_pools_step_budget_reaches_its_engines(tmp_path):
+    """`max_num_batched_tokens` goes to vLLM as the pool's engines' step budget; unset, vLLM picks its own."""
+    from cluster.core.models import model_config
+    from cluster.launch import engine_launch
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
+    cfg = DeployConfig.model_validate({"decode": {"max_num_batched_tokens": 256}})
+    assert engine_launch(cfg, "decode", str(tmp_path), "decode-0")["vllm_args"]["max_num_batched_tokens"] == 256
+    assert "max_num_batched_tokens" not in engine_launch(cfg, "prefill", str(tmp_path), "prefill-0")["vllm_args"]
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        DeployConfig.model_validate({"decode": {"max_num_batched_tokens": 8}})
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "192.168.1.2", "fe80::1", "pd-head.example.org",
+                                  "127.0.0.1.example.org"])
+def test_a_host_beyond_loopback_without_an_api_key_is_refused(tmp_path, host):
+    """Refused naming http.host and http.api_key_env - unless a key is set (by variable name or in the file), or
+    the dangerous opt-out is."""
+    with pytest.raises(DeployError) as e:
+        load_deploy(write(tmp_path, {"http": {"host": host}}))
+    msg = str(e.value)
+    assert "http: " in msg and f"http.host {host!r}" in msg and "http.api_key_env" in msg
+    assert "http.allow_unauthenticated" in msg
+    assert load_deploy(write(tmp_path, {"http": {"host": host, "api_key_env": "PD_API_KEY"}})).http.host == host
+    assert load_deploy(write(tmp_path, {"http": {"host": host, "api_key": "a-long-key"}})).http.host == host
+    cfg = load_deploy(write(tmp_path, {"http": {"host": host, "allow_unauthenticated": True}}))
+    assert cfg.http.allow_unauthenticated and cfg.http.resolved_api_key() is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.3.2.1", "::1", "localhost", "LocalHost", "::ffff:127.0.0.1"])
+def test_loopback_hosts_need_no_api_key(tmp_path, host):
+    cfg = load_deploy(write(tmp_path, {"http": {"host": host}}))
+    assert cfg.http.host == host and cfg.http.api_key is None and not cfg.http.allow_unauthenticated
+
+
+def test_admission_and_n_limits_have_defaults_and_bounds(tmp_path):
+    """The defaults the field descriptions explain (in flight 256, queued 512, n 128), reaching the front end's
+    settings; nonsense refused naming the field."""
+    from actors.frontend import FrontendSettings
+
+    http = DeployConfig().http
+    assert (http.max_requests_in_flight, http.max_queued_requests, http.max_n, http.retry_after_s) == (256, 512, 128, 2)
+    settings = FrontendSettings(model_name="m", model_dir="/m", max_model_len=64, coordinator_name="c", namespace="n")
+    assert (settings.max_requests_in_flight, settings.max_queued_requests, settings.max_n) == (256, 512, 128)
+    assert load_deploy(write(tmp_path, {"http": {"max_queued_requests": 0}})).http.max_queued_requests == 0
+    for data, field, reason in [
+        ({"max_requests_in_flight": 0}, "http.max_requests_in_flight", "greater than or equal to 1"),
+        ({"max_queued_requests": -1}, "http.max_queued_requests", "greater than or equal to 0"),
+        ({"max_n": 0}, "http.max_n", "greater than or equal to 1"),
+        ({"max_n": 20000}, "http.max_n", "less than or equal to 16384"),
+        ({"allow_unauthenticated": "maybe"}, "http.allow_unauthenticated", "valid boolean"),
+    ]:
+        with pytest.raises(DeployError) as e:
+            load_deploy(write(tmp_path, {"http": data}))
+        assert f"{field}: " in str(e.value) and reason in str(e.value), str(e.value)
+
+
+def test_the_http_limits_reach_the_front_end(tmp_path):
+    """deploy.yaml's admission limits are what the front end is started with (`cluster.launch.frontend_settings`)."""
+    from cluster.launch import Cluster, frontend_settings
+
+    cfg = DeployConfig.model_validate({"http": {"max_requests_in_flight": 3, "max_queued_requests": 0, "max_n": 7}})
+    settings = frontend_settings(Cluster(cfg, tmp_path, coordinator=None))
+    assert (settings.max_requests_in_flight, settings.max_queued_requests, settings.max_n) == (3, 0, 7)

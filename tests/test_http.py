@@ -6,6 +6,7 @@ the decode engine - vLLM's own engine given the same sampling parameters."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -296,7 +297,7 @@ def test_tokenize_detokenize_version(served, tokenizer):
     assert r["tokens"] == tokenizer(PROMPTS[0])["input_ids"] and r["max_model_len"] == 2048
     d = httpx.post(f"{served.url}/detokenize", json={"model": MODEL, "tokens": r["tokens"]}, headers=h).json()
     assert PROMPTS[0] in d["prompt"]
-    assert httpx.get(f"{served.url}/version").json()["version"].startswith("0.32")
+    assert httpx.get(f"{served.url}/version", headers=h).json()["version"].startswith("0.32")
 
 
 LONG = [1] + [5] * 2100
@@ -476,3 +477,141 @@ def test_vllm_bench_client_fails_no_request(served, gdn_model):
                             output_len=16, api_key=KEY)
     print({k: result[k] for k in ("completed", "failed", "median_ttft_ms", "median_tpot_ms")})
     assert result["failed"] == 0 and result["completed"] == 8
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+ROUTE_REQUESTS = {  # every route the front end serves but /health -> (method, a body it answers 200 with the key)
+    "/v1/completions": ("POST", {"model": MODEL, "prompt": "x", "max_tokens": 2}),
+    "/v1/chat/completions": ("POST", CHAT),
+    "/tokenize": ("POST", {"model": MODEL, "prompt": "x"}),
+    "/detokenize": ("POST", {"model": MODEL, "tokens": [5, 6]}),
+    "/v1/models": ("GET", None), "/version": ("GET", None), "/metrics": ("GET", None),
+    "/openapi.json": ("GET", None), "/docs": ("GET", None), "/docs/oauth2-redirect": ("GET", None), "/redoc": ("GET", None),
+}
+
+
+def test_every_route_but_health_needs_the_key(served):
+    """With an API key set, every route (generation, /tokenize, /detokenize, /v1/models, /version, /metrics, the API
+    documents) is 401 without it or with a wrong one, and answers with it; unknown paths are 401 too (404 with the
+    key); /health is open."""
+    from actors.frontend import VLLM_ROUTES
+
+    assert set(ROUTE_REQUESTS) == VLLM_ROUTES | {"/metrics"}  # a route added to the front end is checked here too
+    for route, (method, body) in ROUTE_REQUESTS.items():
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Basic {KEY}"}):
+            r = httpx.request(method, f"{served.url}{route}", json=body, headers=headers, timeout=60)
+            assert r.status_code == 401, (route, headers, r.status_code, r.text[:200])
+            assert r.json()["error"]["code"] == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = httpx.request(method, f"{served.url}{route}", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, (route, r.status_code, r.text[:200])
+    assert httpx.get(f"{served.url}/v1/nowhere").status_code == 401
+    assert httpx.get(f"{served.url}/v1/nowhere", headers=AUTH).status_code == 404
+    health = httpx.get(f"{served.url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["age_s"] < 5
+
+
+def test_n_over_the_cap_is_a_400_naming_the_limit_before_anything_is_routed(served, client):
+    """n (or best_of) above http.max_n (128): the official client raises BadRequestError naming the field and the
+    limit; nothing reaches the router (no prompt token counted); counted in /metrics."""
+    def scrape() -> str:
+        return httpx.get(f"{served.url}/metrics", headers=AUTH).text
+
+    before = scrape()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=129)
+    assert "n must be at most 128, got 129" in str(e.value) and e.value.body["param"] == "n", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**CHAT, n=1000)
+    assert "n must be at most 128, got 1000" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"best_of": 200})
+    assert "best_of must be at most 128, got 200" in str(e.value) and e.value.body["param"] == "best_of"
+    after = scrape()
+    assert metric(after, "pd_prompt_tokens_total") == metric(before, "pd_prompt_tokens_total")
+    refused = 'pd_requests_refused_total{reason="n_over_limit"}'
+    assert float(metric(after, refused)) == float(metric(before, refused)) + 3
+    assert len(client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, temperature=1).choices) == 2
+
+
+@pytest.fixture()
+def small_frontend(served):
+    """A second front end on the module's cluster (as several front ends share one: its own router and channels),
+    admitting 1 request in flight and 1 waiting - so that the bound is reached with two requests while the module's
+    own front end, and the tests that use it, keep the defaults."""
+    from actors.frontend import HTTPFrontend
+    from cluster.launch import frontend_settings
+
+    settings = dataclasses.replace(frontend_settings(served), port=free_port(), max_requests_in_flight=1,
+                                   max_queued_requests=1)
+    frontend = HTTPFrontend.remote()
+    try:
+        yield ray.get(frontend.start.remote(settings), timeout=300)
+    finally:
+        try:
+            ray.get(frontend.stop.remote(), timeout=60)
+        finally:
+            ray.kill(frontend, no_restart=True)
+
+
+def test_past_the_bound_requests_get_429_with_retry_after(served, small_frontend):
+    """One stream in flight and one request waiting fill the bound: the next requests - streamed or not, completions
+    or chat, and the official client's - get 429 + Retry-After at once, as plain JSON errors (a stream's 429 comes
+    before any event); /v1/models, /tokenize and /health are still answered. The stream's client leaves: the waiting
+    request gets its place and is served."""
+    url = small_frontend
+    retry_after = str(served.cfg.http.retry_after_s)
+
+    def scrape() -> str:
+        return httpx.get(f"{url}/metrics", headers=AUTH).text
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as c:
+            long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=long) as first:
+                assert first.status_code == 200
+                lines = first.aiter_lines()  # held: an iterator let go of is closed, and the connection with it
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break  # in flight: generating (2000 tokens take half a minute or more)
+                waiting = asyncio.create_task(c.post("/v1/completions", json={"model": MODEL, "prompt": "y",
+                                                                              "max_tokens": 4, "ignore_eos": True}))
+                t_end = time.monotonic() + 30
+                while float(metric(await asyncio.to_thread(scrape), "pd_requests_queued")) != 1:
+                    assert time.monotonic() < t_end and not waiting.done(), \
+                        f"the second request never waited in the queue: {waiting.done() and waiting.result().text}"
+                    await asyncio.sleep(0.1)
+                t0 = time.monotonic()
+                bodies = [{"model": MODEL, "prompt": "z", "max_tokens": 4, "stream": i % 2 == 0} for i in range(6)]
+                refused = await asyncio.wait_for(asyncio.gather(  # (a request held in a queue would wait here)
+                    *(c.post("/v1/completions", json=b) for b in bodies),
+                    c.post("/v1/chat/completions", json={**CHAT, "stream": True})), 30)
+                took = time.monotonic() - t0
+                with pytest.raises(openai.RateLimitError) as e:
+                    await asyncio.to_thread(
+                        openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60).completions.create,
+                        model=MODEL, prompt="w", max_tokens=2)
+                others = [await c.get("/v1/models"), await c.post("/tokenize", json={"model": MODEL, "prompt": "x"}),
+                          await c.get("/health")]
+            # the stream's client left: its place goes to the waiting request
+            served_after = await asyncio.wait_for(waiting, 60)
+        return refused, took, e.value, others, served_after
+
+    refused, took, client_error, others, served_after = asyncio.run(go())
+    print(f"{len(refused)} requests refused in {took:.2f} s")
+    for r in refused:
+        assert r.status_code == 429, r.text[:300]
+        assert r.headers["retry-after"] == retry_after and r.headers["content-type"] == "application/json"
+        assert "data:" not in r.text
+        err = r.json()["error"]
+        assert (err["code"], err["type"], err["reason"]) == (429, "TooManyRequests", "queue_full"), err
+    assert took < 5, "refusals must not wait for a place"
+    assert client_error.response.headers["retry-after"] == retry_after
+    assert [r.status_code for r in others] == [200, 200, 200]
+    assert served_after.status_code == 200 and served_after.json()["choices"][0]["text"]
+    text = scrape()
+    assert float(metric(text, 'pd_requests_refused_total{reason="queue_full"}')) == len(refused) + 1
+    assert float(metric(text, 'pd_requests_total{status="429"}')) == len(refused) + 1
+    assert float(metric(text, "pd_requests_queued")) == 0
+    decode, prefill = served.engines["decode-0"], served.engines["prefill-0"]  # the left stream ended on the engines
+    wait_for(lambda: ray.get(decode.num_unfinished()) == 0 and ray.get(prefill.num_unfinished()) == 0, 20)

@@ -198,6 +198,16 @@ class HttpConfig(_Strict):
             raise ValueError("set api_key or api_key_env, not both")
         return self
 
+    @model_validator(mode="after")
+    def _exposed_needs_a_key(self) -> "HttpConfig":
+        if not (self.api_key or self.api_key_env or self.allow_unauthenticated or self.is_loopback(self.host)):
+            raise ValueError(
+                f"http.host {self.host!r} is reachable beyond this machine and no API key is set: set http.api_key_env "
+                "(clients then send `Authorization: Bearer <key>`), or bind http.host to 127.0.0.1; "
+                "http.allow_unauthenticated: true serves it without a key (dangerous: only behind something else "
+                "that authenticates clients)")
+        return self
+
     def resolved_api_key(self) -> str | None:
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)
@@ -205,6 +215,21 @@ class HttpConfig(_Strict):
                 raise DeployError(f"http.api_key_env: environment variable {self.api_key_env} is not set or empty")
             return key
         return self.api_key
+
+    @staticmethod
+    def is_loopback(host: str) -> bool:
+        """Whether a bind address reaches only this machine: 127.0.0.0/8, ::1 (also IPv4-mapped) or `localhost`.
+        Other names are not resolved here: they count as reachable."""
+        import ipaddress
+
+        if host.lower() == "localhost":
+            return True
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        mapped = getattr(ip, "ipv4_mapped", None)
+        return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 class CoordinatorConfig(_Strict):
