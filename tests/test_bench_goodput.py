@@ -260,7 +260,7 @@ def test_the_cluster_runs_as_deployed_but_for_its_port_and_coordinator():
 def test_live_tiny_run_writes_results_with_no_failed_request(tmp_path):
     """The whole command, tiny: the deploy file's cluster and vLLM's server at TP 1, one rate, 4 short requests."""
     cmd = [sys.executable, "-m", "cluster", "bench", "goodput", "--targets", "cluster,vllm-tp1", "--rates", "2",
-           "--num-prompts", "4", "--input-len", "256", "--output-len", "16", "--warmups", "1", "--rate-timeout", "150",
+           "--num-prompts", "4", "--min-seconds", "0", "--input-len", "256", "--output-len", "16", "--warmups", "1", "--rate-timeout", "150",
            "--out-dir", str(tmp_path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420)
     tail = r.stdout[-4000:] + r.stderr[-3000:]
