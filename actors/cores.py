@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import IO
 
+from cluster.core.config import PlacementConfig
 from cluster.core.cores import format_cores, parse_cores
 
 NODE_CORES_ENV = "PD_NODE_CORES"  # a node's cores for engines (cpu-list syntax); default: the process's affinity
@@ -64,10 +65,6 @@ class CoreLease:
                 f.close()
         self._files.clear()
 
-    @property
-    def held(self) -> bool:
-        return bool(self._files)
-
 
 def _holder(path: str) -> str:
     try:
@@ -105,18 +102,8 @@ def lease_cores(count: int, owner: str, node_id: str, *, who: str = "",
         taken.append(core)
         files.append(f)
     lease = CoreLease(tuple(taken), files)
-    if len(taken) < count:
+    if len(taken) < count:  # then the loop saw every core: each is in `taken` or in `busy`
         lease.release()
-        for core in cores:  # the rest of the node's cores, for the message
-            if core not in busy and core not in taken:
-                path = os.path.join(where, f"core-{core}")
-                if os.path.exists(path):
-                    with open(path, "a+") as f:
-                        try:
-                            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                            fcntl.flock(f, fcntl.LOCK_UN)
-                        except BlockingIOError:
-                            busy[core] = _holder(path)
         held = "; ".join(f"core {c}: {h}" for c, h in sorted(busy.items())) or "none"
         free = len(cores) - len(busy)
         raise CoresUnavailable(
@@ -170,10 +157,11 @@ def engine_slots(need: int, labels: dict[str, str] | None = None) -> tuple[int, 
     those nodes' free CPUs in words (for messages)."""
     import ray
 
+    placement = PlacementConfig(labels=labels or {})
     free = free_cpus_per_node() or {}
     slots, seen = 0, []
     for node in ray.nodes():
-        if not node.get("Alive") or any((node.get("Labels") or {}).get(k) != v for k, v in (labels or {}).items()):
+        if not node.get("Alive") or not placement.allows(node):
             continue
         cpus = free.get(node["NodeID"], 0.0)
         slots += int(cpus // need)

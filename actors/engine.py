@@ -236,22 +236,21 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         cores binds its ranks over all of them (`shared_bind`), unless its pool's env names a binding; it returns ()."""
         if self.device != "cpu":  # GPU engines own their GPUs (Ray's num_gpus)
             return ()
-        if not self.own_cores:
-            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                bind = shared_bind(node_cores(), self.tp)
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-                if in_process_model(self.tp, self.device, self.kwargs):
-                    os.environ.update(in_process_env(bind))
+        if not self.own_cores and "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the pool's env names a binding
             return ()
-        if self.lease is None:
-            who = f"{self.role} pool" if self.role else ""
-            self.lease = lease_cores(self.own_cores, self.engine_id, self.node_id(), who=who)
-        cores = self.lease.cores
-        bind = omp_bind(cores, self.tp)
+        cores: tuple[int, ...] = ()
+        if self.own_cores:
+            if self.lease is None:
+                who = f"{self.role} pool" if self.role else ""
+                self.lease = lease_cores(self.own_cores, self.engine_id, self.node_id(), who=who)
+            cores = self.lease.cores
+            bind = omp_bind(cores, self.tp)
+            log.info("engine %s owns cores %s (OpenMP binding %s)", self.engine_id, format_cores(cores), bind)
+        else:
+            bind = shared_bind(node_cores(), self.tp)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         if in_process_model(self.tp, self.device, self.kwargs):
             os.environ.update(in_process_env(bind))
-        log.info("engine %s owns cores %s (OpenMP binding %s)", self.engine_id, format_cores(cores), bind)
         return cores
 
     def cores(self) -> tuple[int, ...]:

@@ -321,9 +321,7 @@ def check_placement(cfg: DeployConfig, nodes: list[dict[str, Any]]) -> None:
         want = getattr(cfg, role).placement
         if not want.labels and not want.resources:
             continue
-        fits = [n for n in alive
-                if all((n.get("Labels") or {}).get(k) == v for k, v in want.labels.items())
-                and all((n.get("Resources") or {}).get(r, 0) >= amount for r, amount in want.resources.items())]
+        fits = [n for n in alive if want.allows(n)]
         if not fits:
             seen = "; ".join(f"{n.get('NodeManagerAddress')}: labels "
                              f"{ {k: v for k, v in (n.get('Labels') or {}).items() if not k.startswith('ray.io/')} }, "
@@ -331,12 +329,6 @@ def check_placement(cfg: DeployConfig, nodes: list[dict[str, Any]]) -> None:
                              for n in alive)
             raise DeployError(f"{role}.placement: no live Ray node has labels {want.labels} and resources "
                               f"{want.resources} (nodes: {seen})")
-
-
-def _eligible(pool: PoolConfig, node: dict[str, Any]) -> bool:
-    want = pool.placement
-    return (all((node.get("Labels") or {}).get(k) == v for k, v in want.labels.items())
-            and all((node.get("Resources") or {}).get(r, 0) >= amount for r, amount in want.resources.items()))
 
 
 def _place(owning: list[tuple[str, PoolConfig]], alive: list[dict[str, Any]], cpus: dict[str, float]) -> tuple[
@@ -347,7 +339,7 @@ def _place(owning: list[tuple[str, PoolConfig]], alive: list[dict[str, Any]], cp
     for role, pool in owning:
         need = pool.cores_per_engine
         for i in range(pool.min_replicas):
-            node = next((n for n in alive if _eligible(pool, n) and left[n["NodeID"]] >= need), None)
+            node = next((n for n in alive if pool.placement.allows(n) and left[n["NodeID"]] >= need), None)
             if node is None:
                 return left, (role, pool, i + 1)
             left[node["NodeID"]] -= need
@@ -385,7 +377,7 @@ def check_cores(cfg: DeployConfig, nodes: list[dict[str, Any]], free_cpus: dict[
                          "cores held elsewhere are released")
     for role, pool in owning:  # how far each pool could grow on what is left
         need, extra = pool.cores_per_engine, pool.max_replicas - pool.min_replicas
-        room = sum(int(left[n["NodeID"]] // need) for n in alive if _eligible(pool, n))
+        room = sum(int(left[n["NodeID"]] // need) for n in alive if pool.placement.allows(n))
         if room < extra:
             notes.append(f"{role} pool: cores for {pool.min_replicas + room} of its max_replicas {pool.max_replicas} "
                          f"engines; it grows only as far as free cores allow ({role}.share_cores: true lifts this)")

@@ -70,6 +70,11 @@ class PlacementConfig(_Strict):
     labels: dict[str, str] = Field(default_factory=dict, description="node labels each engine's node must carry")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each engine takes")
 
+    def allows(self, node: dict) -> bool:
+        """Whether a Ray node (as `ray.nodes()` lists it) carries these labels and has these resources."""
+        return (all((node.get("Labels") or {}).get(k) == v for k, v in self.labels.items())
+                and all((node.get("Resources") or {}).get(r, 0) >= amount for r, amount in self.resources.items()))
+
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
