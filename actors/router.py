@@ -91,6 +91,7 @@ def _is_actor_death(e: BaseException) -> bool:
 
 
 TRANSPORTS = ("auto", "ray")
+POLICIES = ("cache", "load")
 
 
 class Router:
@@ -107,12 +108,16 @@ class Router:
     transfer; `local_prefill` counts these too."""
 
     def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True,
-                 local_prefill_queue: int | None = None, local_prefill_when_idle: bool = False):
+                 local_prefill_queue: int | None = None, local_prefill_when_idle: bool = False,
+                 policy: str = "cache"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if decode_transport not in TRANSPORTS:
             raise ValueError(f"decode_transport must be one of {TRANSPORTS}, not {decode_transport!r}")
         if local_prefill_queue is not None and local_prefill_queue < 0:
             raise ValueError(f"local_prefill_queue must be >= 0 or None, not {local_prefill_queue!r}")
         self.coordinator = coordinator
+        self.policy = policy
         self.decode_transport = decode_transport
         self.first_token_from_prefill = first_token_from_prefill
         self.local_prefill_queue = local_prefill_queue

@@ -440,7 +440,7 @@ def frontend_settings(cluster: Cluster):
         max_body_bytes=cfg.http.max_body_bytes, retry_after_s=cfg.http.retry_after_s,
         first_token_from_prefill=cfg.transfer.first_token_from_prefill,
         local_prefill_queue=cfg.transfer.local_prefill_queue,
-        local_prefill_when_idle=cfg.transfer.local_prefill_when_idle,
+        local_prefill_when_idle=cfg.transfer.local_prefill_when_idle, routing_policy=cfg.routing.policy,
         max_requests_in_flight=cfg.http.max_requests_in_flight, max_queued_requests=cfg.http.max_queued_requests,
         max_n=cfg.http.max_n,
     )

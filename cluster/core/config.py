@@ -269,6 +269,15 @@ class TransferConfig(_Strict):
         return verify_fraction(v)
 
 
+class RoutingConfig(_Strict):
+    policy: Literal["cache", "load"] = Field(
+        "cache", description="how a request's pair is chosen: 'cache' - by cost, the prompt tokens each prefill engine "
+        "would compute past the longest prefix it can resume (attention blocks and a recurrent-state checkpoint) plus "
+        "the prompt tokens already queued on it, so that a prefix hit wins unless its engine is overloaded, and among "
+        "the decode engines approved for it the least loaded, then the one holding most of the prompt's attention "
+        "blocks; 'load' - the least-loaded engines, prefixes ignored")
+
+
 class DeployConfig(_Strict):
     model: ModelConfig = ModelConfig()
     prefill: PoolConfig = PoolConfig(tp=1)
@@ -276,6 +285,7 @@ class DeployConfig(_Strict):
     coordinator: CoordinatorConfig = CoordinatorConfig()
     http: HttpConfig = HttpConfig()
     transfer: TransferConfig = TransferConfig()
+    routing: RoutingConfig = RoutingConfig()
     device: Literal["cpu", "cuda"] = "cpu"
 
     @model_validator(mode="after")
