@@ -43,10 +43,12 @@ from actors.cores import bind_this_thread, lease_cores, node_cores, normal_prior
 from actors.engine_client import ENGINE_PREFIX, EngineClient, Health
 from actors.engine_load import LoadMixin
 from actors.engine_pairs import PairsMixin
+from actors.engine_prefix import EnginePrefixes
 from actors.engine_procs import ProcessesMixin, _running
 from actors.engine_serving import ServingMixin, _ranked
 from actors.engine_verify import VerifyMixin
 from cluster.core.cores import format_cores, omp_bind, shared_bind
+from cluster.core.prefix import EngineView
 
 DEFAULT_START_TIMEOUT_S = 300.0
 CONNECTOR_MODULE = "actors.connector"
@@ -182,6 +184,7 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         self._init_load()
         self._init_serving()
         self._init_processes()
+        self.prefixes = EnginePrefixes(self._totals)  # what of a prompt this engine can resume (routing.policy cache)
 
     async def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> float:
         """Build the engine (in a thread, so the actor keeps answering) and return the startup seconds.
@@ -226,6 +229,8 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
             # a fresh engine's first forward pass is several seconds slower; pay it here, not in a user's TTFT
             await self.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=2)
             self._total_blocks = await self.free_blocks()
+            groups = (await self._pd_call("pd_registration"))[0]["layout"]["groups"]
+            self.prefixes.start(self.engine.vllm_config, self._total_blocks, [g["kind"] for g in groups])
         self.startup_s = time.monotonic() - t0
         return self.startup_s
 
@@ -317,6 +322,19 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             healthy = False
         return Health(started=True, healthy=healthy)
+
+    def resumable(self, prompt_token_ids: list[int]) -> EngineView:
+        """What of this prompt the engine can resume (its prefix record, `actors.engine_prefix`), and its load: the
+        prompt tokens it is prefilling past their hits, for every front end, and the requests it decodes. Answered
+        from the actor's memory, at once, whatever the engine is computing."""
+        return EngineView(self.engine_id, self.prefixes.predict(prompt_token_ids), self._queued_tokens, self._decodes)
+
+    def prefix_record(self) -> dict[str, Any]:
+        """The prefix record's size: block size, capacity (the block pool), blocks of tokens held and the pool blocks
+        they take, blocks it dropped for capacity; {} while the engine caches no prefixes."""
+        r = self.prefixes.record
+        return {} if r is None else {"block_size": r.block_size, "capacity": r.capacity, "blocks": len(r),
+                                      "used": r.used, "evicted": r.evicted, "stateful": r.stateful}
 
     def side_channel_port(self) -> int:
         """The port vLLM's NIXL side-channel listener of this engine binds (on VLLM_NIXL_SIDE_CHANNEL_HOST,

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef, ObjectRefGenerator
 
     from cluster.core.metrics import TransferTotals
+    from cluster.core.prefix import EngineView
 
 ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace
 HEALTH_TIMEOUT_S = 10.0  # an engine slower than this to answer its health question is busy, not dead
@@ -227,6 +228,14 @@ class EngineClient:
     def cores(self) -> "ObjectRef[tuple[int, ...]]":
         """The cores this engine owns on its node (`actors.cores`); () when its pool shares cores."""
         return self.handle.cores.remote()
+
+    def resumable(self, prompt_token_ids: list[int]) -> "ObjectRef[EngineView]":
+        """What of this prompt the engine can resume, and its load (cache-aware routing, `cluster.core.prefix`)."""
+        return self.handle.resumable.remote(prompt_token_ids)
+
+    def prefix_record(self) -> "ObjectRef[dict[str, Any]]":
+        """The engine's prefix record's size (`EngineActor.prefix_record`)."""
+        return self.handle.prefix_record.remote()
 
     # ---- registration and pairs (the coordinator's side) ----------------------------------------------------------
     def registration(self) -> "ObjectRef[Registration]":

@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 
 from actors.engine_client import Prefilled
+from actors.engine_prefix import EnginePrefixes
 from cluster.core.metrics import TransferTotals
 from cluster.core.verify import TRANSFER_VERIFY_FAILED
 from cluster.core.wire import FIRST_TOKEN
@@ -65,6 +66,13 @@ def _push_socket(address: str) -> "zmq.Socket":
     return sock
 
 
+def _cumulative(params: Any) -> bool:
+    """Whether each output carries all the tokens so far (vLLM's CUMULATIVE and FINAL_ONLY), not just the new ones."""
+    from vllm.sampling_params import RequestOutputKind
+
+    return params.output_kind != RequestOutputKind.DELTA
+
+
 class ServingMixin:
     """`EngineActor`'s requests (needs `engine`, `engine_id`, `_totals`, the load counters, transfer.verify's
     bookkeeping and `release`/`_pd_call`, set by the actor and its other parts)."""
@@ -72,9 +80,11 @@ class ServingMixin:
     engine: Any
     engine_id: str
     _totals: TransferTotals
+    prefixes: EnginePrefixes
 
     def _init_serving(self) -> None:
         self._channels: dict[str, _Outbox] = {}  # open decode channels (one per front end)
+        self._queued_tokens = 0  # prompt tokens of prefills here past their predicted hits (every front end's)
 
     async def prefill(self, prompt_token_ids: list[int], request_id: str, prompt_logprobs: int | None = None,
                       first_token: Any = None, continued: int = 0) -> Prefilled:
@@ -105,8 +115,11 @@ class ServingMixin:
             params.n, params.max_tokens, params.min_tokens = 1, 1, min(1, params.min_tokens or 0)
             params.prompt_logprobs, params.output_kind = None, RequestOutputKind.FINAL_ONLY
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": {**transfer, FIRST_TOKEN: True}}
+        predicted = self.prefixes.predict(prompt_token_ids).checkpoint_tokens
+        uncached = len(prompt_token_ids) - predicted
         self._prefills += 1
         self._prefill_tokens += len(prompt_token_ids)
+        self._queued_tokens += uncached
         try:
             runs = [self._last_output(prompt_token_ids, params, request_id)]
             if prompt_logprobs is not None:
@@ -116,6 +129,7 @@ class ServingMixin:
         finally:
             self._prefills -= 1
             self._prefill_tokens -= len(prompt_token_ids)
+            self._queued_tokens -= uncached
         if isinstance(final, BaseException):
             raise final
         if final is None or not final.kv_transfer_params:
@@ -125,6 +139,9 @@ class ServingMixin:
             raise scored[0]
         self.first_served_at = self.first_served_at or time.time()
         self._totals.cached_prompt_tokens += final.num_cached_tokens or 0
+        # vLLM's prefill side for remote decode computes all but the last prompt token, unless it samples the first
+        self.prefixes.prefilled(prompt_token_ids, predicted, final.num_cached_tokens or 0,
+                                len(prompt_token_ids) - (first_token is None))
         kv_transfer_params = dict(final.kv_transfer_params)
         first = None
         if first_token is not None:
@@ -247,13 +264,22 @@ class ServingMixin:
         transfer.verify; if its check failed, its error output becomes a DecodeError saying so. `colocated`: the
         engine runs the whole prompt (its prefix-cache hit is counted here; a read's is counted with the read)."""
         detokenizer = self._continuation_detokenizer(prompt_token_ids, continued, params)
+        predicted = self.prefixes.predict(prompt_token_ids).checkpoint_tokens if colocated else 0
+        generated: list[int] = []  # the output's token ids (deltas; a final-only output carries them all)
         try:
             async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params,
                                                      request_id=request_id):
                 self.first_served_at = self.first_served_at or time.time()
                 if colocated:
                     self._totals.cached_prompt_tokens += output.num_cached_tokens or 0
+                    self.prefixes.prefilled(prompt_token_ids, predicted, output.num_cached_tokens or 0,
+                                            len(prompt_token_ids))
                     colocated = False
+                if output.outputs:
+                    c = output.outputs[0]
+                    generated = list(c.token_ids) if _cumulative(params) else generated + list(c.token_ids)
+                    if c.finish_reason in ("stop", "length"):  # its blocks stay in the cache for the next turn
+                        self.prefixes.decoded(list(prompt_token_ids) + generated[:-1])
                 if detokenizer is not None and output.outputs:  # deltas (a continuation always streams them)
                     c = output.outputs[0]
                     c.text = "".join(detokenizer.decode_next(token) for token in c.token_ids)

@@ -772,11 +772,14 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
         if isinstance(got, tuple):
             seen[engine_id] = got
     totals = TransferTotals()
-    cached = {"prefill": 0, "decode": 0}
+    per_role = ("cached_prompt_tokens", "computed_prompt_tokens", "predicted_prompt_tokens", "mispredicted")
+    by_role: dict[str, dict[str, int]] = {key: {"prefill": 0, "decode": 0} for key in per_role}
     for role, engine_totals in seen.values():  # counters never go down: engines that left keep their last totals
         totals += engine_totals
-        cached[role] += engine_totals.cached_prompt_tokens
-    return {"pools": pools, "transfers": totals, "cached_prompt_tokens": cached, "retried": router.retried,
+        for key in per_role:
+            by_role[key][role] += getattr(engine_totals, key)
+    return {"pools": pools, "transfers": totals, **by_role, "retried": router.retried,
+            "routing": dict(router.decisions),
             "scaling": desc.get("pools", {}), "colocated": dict(router.colocated), "degraded": router.degraded,
             "failed_over": router.failed_over, "first_from_prefill": router.first_from_prefill,
             "stale_routed": router.stale_routed, "local_prefill": router.local_prefill}

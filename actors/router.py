@@ -46,6 +46,7 @@ from collections import Counter
 from typing import Any, AsyncIterator
 
 from actors.engine_client import EngineClient, Prefilled
+from cluster.core.prefix import EngineView, choose_decode, choose_prefill, prefill_cost
 from cluster.core.verify import TRANSFER_VERIFY_FAILED
 
 log = logging.getLogger("pd.router")
@@ -57,6 +58,7 @@ ROUTES_STALE_S = 300.0  # ... for at most this long after the last answer; then 
 FAILOVERS = 2  # a streaming request continues on another pair at most this often
 PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
 HELLO_TIMEOUT_S = 10.0  # a decode engine must reach a new channel's local socket within this
+VIEW_TIMEOUT_S = 0.5  # an engine's `resumable` answer later than this: routed as if it held nothing
 
 
 async def _awaitable(ref: Any) -> Any:
@@ -95,7 +97,9 @@ POLICIES = ("cache", "load")
 
 
 class Router:
-    """Picks the least-loaded prefill engine, then the least-loaded decode engine approved for it.
+    """Picks a prefill engine, then a decode engine approved for it: with `policy` "cache" by cost (`_by_cost`:
+    the prompt tokens each prefill engine would compute past the prefix it can resume, plus its queue; then the
+    least-loaded decode engine, holding most of the prompt), with "load" the least-loaded of each.
 
     `decode_transport`: "auto" - decode outputs over a local ZeroMQ socket from engines on this node, over the Ray
     stream from the others; "ray" - always over the Ray stream. `first_token_from_prefill`: the prefill engine
@@ -126,7 +130,7 @@ class Router:
         # decode engine id -> this router's disaggregated requests bound for it, from their prefill's start to their end
         self.heading: Counter[str] = Counter()
         self._engines: dict[str, EngineClient] = {}
-        self._rr = itertools.count()
+        self._rr: collections.defaultdict[str, itertools.count] = collections.defaultdict(itertools.count)
         self._cleanup: set[asyncio.Task] = set()
         # decode engine id -> this front end's output stream from it (bound to the event loop that opened it)
         self._channels: dict[str, DecodeChannel] = {}
@@ -143,6 +147,9 @@ class Router:
         self._routes: tuple[float, dict[str, list[str]]] | None = None  # (when, the coordinator's last routes)
         self.coordinator_unreachable = False  # the last routes question went unanswered
         self.stale_routed = 0  # requests routed on the coordinator's last routes while it did not answer
+        self.decisions: Counter[str] = Counter()  # prefill engines chosen, by reason (`cluster.core.prefix`)
+        self.pending_tokens: Counter[str] = Counter()  # prefill engine id -> this router's prompt tokens routed there
+        self.view_failures = 0  # engines that did not answer `resumable` in time
 
     async def routes(self) -> dict[str, list[str]]:
         """Ready prefill engine -> approved ready decode engines, from the coordinator; while it does not answer
@@ -162,6 +169,9 @@ class Router:
             log.warning("the coordinator answers again")
             self.coordinator_unreachable = False
         self._routes = (time.monotonic(), routes)
+        listed = set(routes).union(*routes.values())
+        for engine_id in [e for e in self._engines if e not in listed]:  # left (or not ready): asked again if it returns
+            del self._engines[engine_id]
         return routes
 
     async def _ask(self, method: str, *args: Any) -> Any:
@@ -181,12 +191,10 @@ class Router:
             self._engines[engine_id] = engine
         return self._engines[engine_id]
 
-    def _pick(self, candidates: list[str]) -> str:
+    def _pick(self, candidates: list[str], role: str) -> str:
         if not candidates:
             raise NoCapacity("no engine available")
-        start = next(self._rr) % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=lambda e: self.inflight[e])
+        return min(self._rotated(candidates, role), key=lambda e: self.inflight[e])
 
     async def generate(
         self,
@@ -324,17 +332,25 @@ class Router:
                 self.degraded = None
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
-        p_id = pair[0] if pair else self._pick([p for p in prefills if p not in prefer_not] or prefills)
-        decodes = [d for d in routes[p_id] if d not in avoid] if p_id in prefills else []
-        if pair and pair[1] not in decodes:
-            raise NoCapacity(f"pair {pair[0]} -> {pair[1]} is not approved by the coordinator")
-        if not decodes:
-            raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
-        d_id = pair[1] if pair else self._pick(decodes)
+        local_by_cache = False
+        uncached = len(prompt_token_ids)  # prompt tokens the prefill engine is expected to compute
+        if pair is None and self.policy == "cache":
+            p_id, d_id, uncached, local_by_cache = await self._by_cost(prompt_token_ids, prefills, prefer_not, routes,
+                                                                      avoid)
+        else:
+            p_id = pair[0] if pair else self._pick([p for p in prefills if p not in prefer_not] or prefills, "prefill")
+            decodes = [d for d in routes[p_id] if d not in avoid] if p_id in prefills else []
+            if pair and pair[1] not in decodes:
+                raise NoCapacity(f"pair {pair[0]} -> {pair[1]} is not approved by the coordinator")
+            if not decodes:
+                raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
+            d_id = pair[1] if pair else self._pick(decodes, "decode")
+            if pair is None:
+                self.decisions["load"] += 1
         prefill, decode = await self.engine(p_id, "prefill"), await self.engine(d_id, "decode")
         backlogged = self.local_prefill_queue is not None and self.inflight[p_id] >= self.local_prefill_queue
         idle = self.local_prefill_when_idle and self.inflight[d_id] == 0 and self.heading[d_id] == 0
-        if pair is None and (backlogged or idle):
+        if pair is None and (backlogged or idle or local_by_cache):
             # conditional disaggregation: the least-loaded prefill engine already has its queue, or the decode engine
             # has no stream to stall; the decode engine computes this prompt in its own steps instead, with no
             # transfer (vLLM's chunked prefill)
@@ -346,6 +362,7 @@ class Router:
             return
 
         self.heading[d_id] += 1  # no await since the idle check: a request routed next sees this one
+        self.pending_tokens[p_id] += uncached
         try:
             first_token = self.first_token_from_prefill and first_token_refused(params) is None
             self.inflight[p_id] += 1
@@ -362,6 +379,8 @@ class Router:
                 raise EngineFailure("prefill", p_id, e) from None
             finally:
                 self.inflight[p_id] -= 1
+                self.pending_tokens[p_id] -= uncached
+                uncached = 0
             first = prefilled.first
             if first is None:
                 async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, prefilled,
@@ -403,6 +422,63 @@ class Router:
                     yield out
         finally:
             self.heading[d_id] -= 1
+            self.pending_tokens[p_id] -= uncached  # 0 unless the prefill never started
+
+    async def _by_cost(self, prompt_token_ids: list[int], prefills: list[str], prefer_not: frozenset[str] | set[str],
+                       routes: dict[str, list[str]], avoid: set[str]) -> tuple[str, str, int, bool]:
+        """routing.policy cache: the prefill engine of least cost (`cluster.core.prefix.choose_prefill`: its queue
+        plus the prompt past the prefix it can resume), then among the decode engines approved for it the least
+        loaded, holding most of the prompt (`choose_decode`). Each engine answers for itself (`resumable`), so every
+        front end sees one picture; the queue this router put on an engine and has not seen it report yet counts
+        too (requests routed in one burst spread instead of all taking the one hit). Returns (prefill engine, decode
+        engine, the prompt tokens the prefill engine is expected to compute, whether the decode engine should
+        prefill it itself: conditional disaggregation is on and that engine resumes a longer prefix, computing less
+        than the prefill engine's cost)."""
+        candidates = self._rotated([p for p in prefills if p not in prefer_not] or prefills, "prefill")
+        decodes = sorted({d for p in candidates for d in routes[p] if d not in avoid})
+        if len(candidates) == 1 and len(decodes) == 1 and self.local_prefill_queue is None:
+            self.decisions["only"] += 1  # nothing to choose: no engine is asked
+            return candidates[0], decodes[0], len(prompt_token_ids), False
+        views = await self._views(prompt_token_ids, candidates + decodes)
+        n = len(prompt_token_ids)
+        p_views = [dataclasses.replace(views[p], queued_tokens=max(views[p].queued_tokens, self.pending_tokens[p]))
+                   for p in candidates]
+        p_id, reason = choose_prefill(n, p_views)
+        p_view = next(v for v in p_views if v.engine_id == p_id)
+        approved = self._rotated([d for d in routes[p_id] if d not in avoid], "decode")
+        if not approved:
+            raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
+        d_views = [dataclasses.replace(views[d], running=max(views[d].running, self.inflight[d]) + self.heading[d])
+                   for d in approved]
+        d_id = choose_decode(d_views)
+        d_hit = views[d_id].resumable.checkpoint_tokens
+        local = (self.local_prefill_queue is not None and d_hit > p_view.resumable.checkpoint_tokens
+                 and n - d_hit < prefill_cost(n, p_view))
+        self.decisions["local" if local else reason] += 1
+        return p_id, d_id, n - p_view.resumable.checkpoint_tokens, local
+
+    async def _views(self, prompt_token_ids: list[int], engine_ids: list[str]) -> dict[str, EngineView]:
+        """Each engine's `resumable` answer; one that does not answer within VIEW_TIMEOUT_S (or has left) is seen as
+        holding nothing, with this router's own load."""
+        async def one(engine_id: str) -> EngineView:
+            try:
+                engine = await self.engine(engine_id)
+                return await asyncio.wait_for(_awaitable(engine.resumable(prompt_token_ids)), VIEW_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - slow, gone, or failing: routed on load; its requests tell
+                self.view_failures += 1
+                log.debug("engine %s did not say what it holds: %s", engine_id, _cause(e))
+                return EngineView(engine_id)
+
+        return dict(zip(engine_ids, await asyncio.gather(*(one(e) for e in engine_ids))))
+
+    def _rotated(self, ids: list[str], role: str) -> list[str]:
+        """`ids` from a round-robin start, one rotation per pool (shared, the prefill and decode choices of
+        consecutive requests would fall in step: with two engines a pool would always start from the same one): ties
+        between equal engines go to each in turn."""
+        if not ids:
+            return ids
+        start = next(self._rr[role]) % len(ids)
+        return ids[start:] + ids[:start]
 
     async def _colocated(self, prefills: list[str], prompt_token_ids, params, rid, avoid: set[str],
                          continued: int = 0) -> AsyncIterator[Any]:
@@ -418,7 +494,7 @@ class Router:
             log.warning("degraded: no ready %s engine is paired; %s engines serve requests whole",
                         "decode" if role == "prefill" else "prefill", role)
             self.degraded = role
-        e_id = self._pick(engines)
+        e_id = self._pick(engines, role)
         engine = await self.engine(e_id, "decode")
         self.colocated[role] += 1
         async with contextlib.aclosing(self._decode(e_id, engine, prompt_token_ids, params, rid, None,

@@ -436,8 +436,8 @@ def test_a_backlogged_prefill_engine_leaves_the_prompt_to_the_decode_engine(pd):
 
     for limit, local, seed in ((1, 1, 11), (None, 0, 12)):  # new prompts each time: nothing found in a prefix cache
         two = prompts(seed=seed, lengths=(300, 280))
-        router = Router(pd.coordinator, local_prefill_queue=limit)
-        router._pick = lambda candidates: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
+        router = Router(pd.coordinator, local_prefill_queue=limit, policy="load")
+        router._pick = lambda candidates, role: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
         assert asyncio.run(run_router(router, prompts()[0])) == oracle(prompts()[0])  # routes and engines cached
         assert router.local_prefill == 0  # nothing queued: disaggregated
         ray.get(decode.transfer_stats())  # drain
@@ -456,8 +456,8 @@ def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
     from actors.router import Router
 
     decode = pd.engines[("decode", 1)]
-    router = Router(pd.coordinator, local_prefill_when_idle=True)
-    router._pick = lambda candidates: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
+    router = Router(pd.coordinator, local_prefill_when_idle=True, policy="load")
+    router._pick = lambda candidates, role: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
     one, *two = prompts(seed=14, lengths=(290, 300, 280))  # new prompts: nothing found in a prefix cache
     ray.get(decode.transfer_stats())  # drain
     assert asyncio.run(run_router(router, one)) == oracle(one)

@@ -27,8 +27,8 @@ class TransferTotals:
     """An engine's running totals since it started (`EngineActor.transfer_totals`; the front end sums them over the
     engines for /metrics): a decode engine's reads - one transfer per request and decode rank (a read that found its
     whole prompt in the decode engine's own cache moves nothing and is not counted), bytes, descriptors, seconds in
-    NIXL -, its `transfer.verify` outcomes and seconds, and any engine's prompt tokens found in its own prefix cache
-    (a prefill engine: not computed; a decode engine: not read)."""
+    NIXL -, its `transfer.verify` outcomes and seconds, any engine's prompt tokens found in its own prefix cache
+    (a prefill engine: not computed; a decode engine: not read), and what it computed and predicted."""
 
     transfers: int = 0
     bytes: int = 0
@@ -38,6 +38,11 @@ class TransferTotals:
     verify_failures: int = 0
     verify_seconds: float = 0.0
     cached_prompt_tokens: int = 0
+    # cache-aware routing's check (`cluster.core.prefix`): prompt tokens an engine computed itself (past its prefix
+    # cache's hit), the hit its prefix record predicted, and the prefills whose real hit differed from the prediction
+    computed_prompt_tokens: int = 0
+    predicted_prompt_tokens: int = 0
+    mispredicted: int = 0
 
     def __add__(self, other: TransferTotals) -> TransferTotals:
         return TransferTotals(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
@@ -134,6 +139,15 @@ class _ClusterCollector:
             counter = CounterMetricFamily(name, help_)
             counter.add_metric([], float(state.get(key, 0)))
             yield counter
+        routing = CounterMetricFamily("pd_routing_decisions", "Prefill engines chosen by this front end's router, by "
+                                      "reason: hit (the engine resumes a prefix), spread (a longer prefix sits on a "
+                                      "busier engine), load (nobody holds any of the prompt; or routing.policy load), "
+                                      "only (one engine could take it), local (its decode engine resumes more of it "
+                                      "and prefills it itself)",
+                                      labels=["reason"])
+        for reason, n in sorted(state.get("routing", {}).items()):
+            routing.add_metric([reason], float(n))
+        yield routing
         per_pool = (  # (family, name, help, value of a pool)
             (CounterMetricFamily, "pd_requests_colocated", "Requests served whole by one engine while no prefill/decode "
              "pair was ready (degraded mode), by that engine's pool", lambda r: state.get("colocated", {}).get(r, 0)),
@@ -142,6 +156,15 @@ class _ClusterCollector:
             (CounterMetricFamily, "pd_cached_prompt_tokens", "Prompt tokens an engine found in its own prefix cache (a "
              "prefill engine: not computed; a decode engine: not read), by pool",
              lambda r: state.get("cached_prompt_tokens", {}).get(r, 0)),
+            (CounterMetricFamily, "pd_computed_prompt_tokens", "Prompt tokens an engine computed itself (past its "
+             "prefix cache's hit; a decode engine: those it prefilled itself), by pool",
+             lambda r: state.get("computed_prompt_tokens", {}).get(r, 0)),
+            (CounterMetricFamily, "pd_prefix_predicted_tokens", "Prompt tokens the engines' prefix records predicted "
+             "a prefill would resume (cache-aware routing), by pool",
+             lambda r: state.get("predicted_prompt_tokens", {}).get(r, 0)),
+            (CounterMetricFamily, "pd_prefix_mispredictions", "Prefills whose real prefix-cache hit differed from "
+             "what the engine's prefix record predicted (routing.policy cache), by pool",
+             lambda r: state.get("mispredicted", {}).get(r, 0)),
         )
         for family, name, help_, value in per_pool:
             fam = family(name, help_, labels=["role"])
