@@ -44,6 +44,7 @@ from actors.engine_client import ENGINE_PREFIX, EngineClient, Health
 from actors.engine_load import LoadMixin
 from actors.engine_pairs import PairsMixin
 from actors.engine_prefix import EnginePrefixes
+from actors.engine_progress import ProgressWatch
 from actors.engine_procs import ProcessesMixin, _running
 from actors.engine_serving import ServingMixin, _ranked
 from actors.engine_verify import VerifyMixin
@@ -185,6 +186,7 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         self._init_serving()
         self._init_processes()
         self.prefixes = EnginePrefixes(self._totals)  # what of a prompt this engine can resume (routing.policy cache)
+        self.progress: ProgressWatch | None = None  # whether its EngineCore steps (engines with a role, once started)
 
     async def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> float:
         """Build the engine (in a thread, so the actor keeps answering) and return the startup seconds.
@@ -231,6 +233,8 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
             self._total_blocks = await self.free_blocks()
             groups = (await self._pd_call("pd_registration"))[0]["layout"]["groups"]
             self.prefixes.start(self.engine.vllm_config, self._total_blocks, [g["kind"] for g in groups])
+            self.progress = ProgressWatch(self.engine_id, self.free_blocks)
+            self.progress.start()
         self.startup_s = time.monotonic() - t0
         return self.startup_s
 
@@ -264,6 +268,8 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
 
     async def shutdown(self, timeout_s: float = 30.0) -> list[str]:
         """`ProcessesMixin.shutdown`, then the engine's cores are free for the next engine."""
+        if self.progress is not None:
+            self.progress.stop()
         try:
             return await ProcessesMixin.shutdown(self, timeout_s)
         finally:
@@ -312,8 +318,8 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         return result
 
     async def health(self) -> Health:
-        """Whether the engine is started and its EngineCore answers (`EngineClient.verdict` turns this into the
-        verdict everyone acts on)."""
+        """Whether the engine is started, vLLM has not failed it, and its EngineCore is stepping (`ProgressWatch`:
+        a hung engine is unhealthy too); `EngineClient.verdict` turns this into the verdict everyone acts on."""
         if self.engine is None:
             return Health(started=False, healthy=False)
         try:
@@ -321,6 +327,9 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
             healthy = not self.engine.errored
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             healthy = False
+        stalled = self.progress.stalled() if self.progress is not None else None
+        if healthy and stalled:
+            return Health(started=True, healthy=False, why=stalled)
         return Health(started=True, healthy=healthy)
 
     def resumable(self, prompt_token_ids: list[int]) -> EngineView:
@@ -411,6 +420,9 @@ def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None, devi
         env.update(in_process_env(extra["VLLM_CPU_OMP_THREADS_BIND"]))  # a binding the pool names itself
     elif in_process_model(tp, device, engine_kwargs):
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the rest of `in_process_env` follows the cores at start
+    if (engine_kwargs or {}).get("kv_cache_memory_bytes") is not None:
+        # an exact cache size as vLLM's own argument: vLLM-CPU's variable (whole GiB) would override it
+        del env["VLLM_CPU_KVCACHE_SPACE"]
     env.update(extra)
     return env
 

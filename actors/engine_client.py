@@ -48,6 +48,7 @@ class Health:
 
     started: bool
     healthy: bool
+    why: str = ""  # why not healthy, when the engine knows (e.g. it is not stepping)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ class EngineClient:
         if not health.started:
             return Verdict("starting", "its vLLM engine is starting")
         if not health.healthy:
-            return Verdict("failed", "unhealthy (its vLLM engine failed)")
+            return Verdict("failed", f"unhealthy ({health.why or 'its vLLM engine failed'})")
         return Verdict("healthy", "healthy")
 
     def shutdown(self, timeout_s: float = 30.0) -> "ObjectRef[list[str]]":

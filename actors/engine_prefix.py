@@ -40,8 +40,9 @@ class EnginePrefixes:
 
     def prefilled(self, tokens: Sequence[int], predicted: int, reused: int, computed: int) -> None:
         """A prompt ran here: vLLM reused `reused` of its tokens (`num_cached_tokens`) where the record predicted
-        `predicted`, and computed it up to `computed` (its state kept at the last block boundary of that: vLLM's
-        align mode)."""
+        `predicted`, and computed it up to `computed` (its attention blocks cached). vLLM's align mode keeps the
+        state at the last block boundary before the prompt's end - strictly before: a 512-token prompt of 128-token
+        blocks keeps it at 384, whether the prefill computed all 512 tokens or stopped one short."""
         self.totals.computed_prompt_tokens += max(0, len(tokens) - reused)
         if self.record is None:
             return
@@ -51,7 +52,7 @@ class EnginePrefixes:
             if reused < predicted:  # evicted (or the checkpoint was): the record held more than vLLM does
                 self.record.forget(tokens, reused)
         block = self.record.block_size
-        self.record.record(tokens, computed, checkpoints=(reused, computed // block * block))
+        self.record.record(tokens, computed, checkpoints=(reused, (len(tokens) - 1) // block * block))
 
     def decoded(self, tokens: Sequence[int]) -> None:
         """A decode ended normally with `tokens` (prompt and output) computed or read here: their attention blocks

@@ -79,6 +79,7 @@ class FrontendSettings:
     local_prefill_queue: int | None = None
     local_prefill_when_idle: bool = False
     routing_policy: str = "cache"
+    stall_timeout_s: float = 10.0
 
 
 def vllm_args(settings: FrontendSettings):
@@ -597,7 +598,7 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
     metrics = ServiceMetrics()
     router = Router(coordinator, first_token_from_prefill=settings.first_token_from_prefill,
                     local_prefill_queue=settings.local_prefill_queue,
-                    local_prefill_when_idle=settings.local_prefill_when_idle, policy=settings.routing_policy)
+                    local_prefill_when_idle=settings.local_prefill_when_idle, policy=settings.routing_policy, stall_s=settings.stall_timeout_s)
     client = cluster_engine_client(vllm_config, router, metrics)
     tasks = await client.get_supported_tasks()
     app = build_app(args, tasks, vllm_config.model_config)

@@ -58,11 +58,16 @@ ROUTES_STALE_S = 300.0  # ... for at most this long after the last answer; then 
 FAILOVERS = 2  # a streaming request continues on another pair at most this often
 PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
 HELLO_TIMEOUT_S = 10.0  # a decode engine must reach a new channel's local socket within this
+STALL_S = 10.0  # a decode stream (or a prefill) silent this long has its engine's health asked; a hung one fails over
 VIEW_TIMEOUT_S = 0.5  # an engine's `resumable` answer later than this: routed as if it held nothing
 
 
 async def _awaitable(ref: Any) -> Any:
     return await ref
+
+
+class _Stuck(RuntimeError):
+    """An engine that stopped answering a request while alive (hung)."""
 
 
 class NoCapacity(RuntimeError):
@@ -113,7 +118,9 @@ class Router:
 
     def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True,
                  local_prefill_queue: int | None = None, local_prefill_when_idle: bool = False,
-                 policy: str = "cache"):
+                 policy: str = "cache", stall_s: float = STALL_S):
+        if stall_s <= 0:
+            raise ValueError(f"stall_s must be > 0, not {stall_s!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if decode_transport not in TRANSPORTS:
@@ -122,6 +129,7 @@ class Router:
             raise ValueError(f"local_prefill_queue must be >= 0 or None, not {local_prefill_queue!r}")
         self.coordinator = coordinator
         self.policy = policy
+        self.stall_s = stall_s
         self.decode_transport = decode_transport
         self.first_token_from_prefill = first_token_from_prefill
         self.local_prefill_queue = local_prefill_queue
@@ -300,7 +308,7 @@ class Router:
         if channel is None or channel.closed or channel.loop is not asyncio.get_running_loop():
             # registered before any await: concurrent first requests to an engine share one channel
             local = self.decode_transport == "auto" and engine_id not in self._unreachable
-            channel = self._channels[engine_id] = DecodeChannel(engine_id, engine, local)
+            channel = self._channels[engine_id] = DecodeChannel(engine_id, engine, local, self.stall_s)
         try:
             await channel.opened()
         except Exception as e:
@@ -369,12 +377,12 @@ class Router:
             ref = prefill.prefill(prompt_token_ids, rid, prompt_logprobs=params.prompt_logprobs,
                                   first_token=params if first_token else None, continued=continued)
             try:
-                prefilled: Prefilled = await asyncio.wait_for(asyncio.shield(_awaitable(ref)), self.prefill_timeout_s)
-            except (asyncio.CancelledError, asyncio.TimeoutError) as e:  # client gone, or a wedged engine: stop it
+                prefilled: Prefilled = await self._prefilled(prefill, ref)
+            except (asyncio.CancelledError, _Stuck) as e:  # client gone, or a hung engine: stop it
                 self._background(self._cancel_prefill(prefill, ref))
                 if isinstance(e, asyncio.CancelledError):
                     raise
-                raise EngineFailure("prefill", p_id, f"no answer within {self.prefill_timeout_s:.0f} s") from None
+                raise EngineFailure("prefill", p_id, str(e)) from None
             except Exception as e:
                 raise EngineFailure("prefill", p_id, e) from None
             finally:
@@ -423,6 +431,27 @@ class Router:
         finally:
             self.heading[d_id] -= 1
             self.pending_tokens[p_id] -= uncached  # 0 unless the prefill never started
+
+    async def _prefilled(self, prefill: EngineClient, ref: Any) -> Prefilled:
+        """A prefill's answer. Every `stall_s` without one the engine's health is asked: a hung engine (not stepping,
+        or not answering) raises `_Stuck` at once, as does no answer within `prefill_timeout_s`; a busy, healthy
+        engine is waited for."""
+        waiting = asyncio.ensure_future(_awaitable(ref))
+        t0 = time.monotonic()
+        try:
+            while True:
+                left = self.prefill_timeout_s - (time.monotonic() - t0)
+                if left <= 0:
+                    raise _Stuck(f"no answer within {self.prefill_timeout_s:.0f} s")
+                done, _ = await asyncio.wait({waiting}, timeout=min(self.stall_s, left))
+                if done:
+                    return waiting.result()
+                verdict = await prefill.verdict(min(self.stall_s, HELLO_TIMEOUT_S))
+                if verdict.state != "healthy":
+                    raise _Stuck(f"no answer for {time.monotonic() - t0:.0f} s and the engine is {verdict.why}")
+        finally:
+            if not waiting.done():
+                waiting.cancel()  # the Ray call itself is cancelled by the caller (`_cancel_prefill`)
 
     async def _by_cost(self, prompt_token_ids: list[int], prefills: list[str], prefer_not: frozenset[str] | set[str],
                        routes: dict[str, list[str]], avoid: set[str]) -> tuple[str, str, int, bool]:
@@ -675,8 +704,10 @@ class DecodeChannel:
     its opening; otherwise they are the Ray stream's items. Either way, when the Ray stream breaks (the engine died
     or left) every request on the channel fails."""
 
-    def __init__(self, engine_id: str, engine: EngineClient, local: bool = False):
-        self.engine_id, self.engine = engine_id, engine
+    def __init__(self, engine_id: str, engine: EngineClient, local: bool = False, stall_s: float = STALL_S):
+        self.engine_id, self.engine, self.stall_s = engine_id, engine, stall_s
+        self.last_message = time.monotonic()  # when the engine last sent anything on the channel
+        self._joined = self.last_message  # when the channel last went from no request waiting to one
         self.id = f"{engine_id}/{uuid.uuid4().hex[:12]}"
         self.inboxes: dict[str, _Inbox] = {}
         self.closed = False
@@ -689,11 +720,39 @@ class DecodeChannel:
         self._hello = asyncio.Event()
         self._open = self.loop.create_future()
         self._reader = asyncio.ensure_future(self._read())
+        self._watch = asyncio.ensure_future(self._watchdog())
 
     async def opened(self) -> None:
         await asyncio.shield(self._open)
 
+    async def _watchdog(self) -> None:
+        """A hung engine sends nothing and its Ray stream stays open: while requests wait on the channel and nothing
+        has come for `stall_s`, ask the engine's health; unless it is healthy (busy, stepping), end the channel -
+        its requests fail over as for a dead engine. Their late outputs, should it continue, reach no inbox."""
+        try:
+            while not self.closed:
+                await asyncio.sleep(min(1.0, self.stall_s / 4))
+                silent = time.monotonic() - max(self.last_message, self._joined)
+                if not self.inboxes or silent < self.stall_s:
+                    continue
+                verdict = await self.engine.verdict(min(self.stall_s, HELLO_TIMEOUT_S))
+                if verdict.state == "healthy":
+                    self.last_message = time.monotonic()  # busy: ask again after another stall_s
+                    continue
+                silent = time.monotonic() - max(self.last_message, self._joined)
+                self.error = RuntimeError(f"no output from decode engine {self.engine_id} for {silent:.0f} s, and it "
+                                          f"is {verdict.why}")
+                log.warning("decode channel %s: %s; its %d requests fail over", self.id, self.error, len(self.inboxes))
+                self._reader.cancel()
+                return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the watchdog must not die silently
+            log.warning("decode channel %s: watchdog failed: %s", self.id, e)
+
     def join(self, request_id: str, delta: bool = True) -> _Inbox:
+        if not self.inboxes:  # silence counts from the first request waiting, not from an idle channel's last message
+            self._joined = time.monotonic()
         inbox = self.inboxes[request_id] = _Inbox(self, request_id, delta)
         if self.closed:  # broke between opening and now: fail at once rather than wait for nothing
             inbox.put(self.error)
@@ -701,6 +760,7 @@ class DecodeChannel:
 
     def _deliver(self, batch: list[tuple[str, Any]], via: str) -> None:
         self.received[via] += 1
+        self.last_message = time.monotonic()
         for request_id, out in batch:
             inbox = self.inboxes.get(request_id)
             if inbox is not None:
@@ -762,6 +822,8 @@ class DecodeChannel:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             self.closed = True
+            if self._watch is not asyncio.current_task():
+                self._watch.cancel()
             if not self._open.done():
                 self._open.set_exception(self.error)
             for inbox in list(self.inboxes.values()):

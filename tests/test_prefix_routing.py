@@ -104,3 +104,23 @@ def test_decode_choice_is_load_first_then_bytes_not_read():
     assert choose_decode([EngineView("d0", running=1), EngineView("d1", Resumable(0, 512), running=1)]) == "d1"
     with pytest.raises(ValueError):
         choose_decode([])
+
+
+def test_an_engine_records_the_checkpoint_before_the_prompt_end_and_learns_from_vllm():
+    """vLLM keeps a prefill's state at the last block boundary strictly before the prompt's end (8 tokens of 4-token
+    blocks: at 4), whatever the prefill computed; a prediction vLLM contradicts is counted and dropped."""
+    from actors.engine_prefix import EnginePrefixes
+    from cluster.core.metrics import TransferTotals
+
+    totals = TransferTotals()
+    e = EnginePrefixes(totals)
+    assert e.predict(tokens(11, 9)) == Resumable()  # no record: an engine without prefix caching
+    e.record = PrefixRecord(B, 100, stateful=True, attention_groups=1, state_groups=3)
+    doc = tokens(11, 20)
+    e.prefilled(doc[:8], predicted=0, reused=0, computed=8)
+    assert e.predict(doc[:14]) == Resumable(4, 8) and totals.computed_prompt_tokens == 8
+    e.prefilled(doc[:14], predicted=4, reused=4, computed=14)
+    assert e.predict(doc[:20]) == Resumable(12, 12) and totals.mispredicted == 0
+    e.prefilled(doc[:20], predicted=12, reused=4, computed=20)  # vLLM had evicted blocks past 4
+    assert totals.mispredicted == 1 and totals.predicted_prompt_tokens == 16
+    assert e.predict(doc[:20] + [5]) == Resumable(16, 20)  # rewritten from what it computed now

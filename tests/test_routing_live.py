@@ -100,7 +100,7 @@ def test_turns_land_on_the_prefill_engine_holding_the_previous_turn(cl, block):
             assert out == oracle(prompt, MAX_TOKENS), f"conversation {c}, turn {t}"
             prefill_hits = {e: n for e, n in reused.items() if e in PREFILLS and n}
             if t:
-                assert list(prefill_hits.values()) == [len(prompt_before[c]) // block * block], (c, t, reused)
+                assert list(prefill_hits.values()) == [(len(prompt_before[c]) - 1) // block * block], (c, t, reused)
             convs[c] = prompt + out + words(1000 * t + c, 120)
         prompt_before = {c: p[:-(MAX_TOKENS + 120)] for c, p in convs.items()}
     assert cl.cache.decisions["hit"] - before.get("hit", 0) >= 9
@@ -125,7 +125,7 @@ def test_the_cache_policy_answers_as_the_load_policy_does(cl, block):
                 hits += sum(reused[e] for e in PREFILLS)
                 assert out1 == oracle(first, MAX_TOKENS) and out2 == oracle(second, MAX_TOKENS)
     assert outs["cache"] == outs["load"]
-    assert hits == 3 * (401 // block * block)
+    assert hits == 3 * ((401 - 1) // block * block)
 
 
 def test_a_hot_prefix_spreads_to_a_second_engine_under_load(cl, block):
@@ -201,4 +201,4 @@ def test_an_engine_that_leaves_or_restarts_drops_out_of_the_picture(cl, block):
     third = second + out2 + words(1202, 60)
     out3, reused = turn(cl, cl.cache, third)
     assert out3 == oracle(third, MAX_TOKENS)
-    assert reused[other] == len(second) // block * block and reused[gone] == 0
+    assert reused[other] == (len(second) - 1) // block * block and reused[gone] == 0

@@ -276,6 +276,11 @@ class RoutingConfig(_Strict):
         "the prompt tokens already queued on it, so that a prefix hit wins unless its engine is overloaded, and among "
         "the decode engines approved for it the least loaded, then the one holding most of the prompt's attention "
         "blocks; 'load' - the least-loaded engines, prefixes ignored")
+    stall_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="hung engines: a decode stream with requests waiting and no output for this "
+        "long, or a prefill unanswered this long, has its engine's health asked; unless the engine is healthy (its "
+        "EngineCore still steps: PD_ENGINE_STALL_S past its slowest step), the requests fail over to another pair as "
+        "for a dead engine, and the engine is taken out of every pair")
 
 
 class DeployConfig(_Strict):

@@ -2,8 +2,8 @@
 prefill engine by cost (`choose_prefill`) and of a decode engine (`choose_decode`).
 
 The hybrid rule. vLLM's prefix caching keeps a GDN/Mamba layer's recurrent state only at some block boundaries
-(mamba_cache_mode "align": where a prefill's computed tokens end, floored to a block - the scheduler cuts the prefill
-there to keep it), while attention blocks are kept for every full block. A prompt can be resumed from position k
+(mamba_cache_mode "align": at the last block boundary before a prefill's prompt ends - the scheduler cuts the
+prefill there to keep it), while attention blocks are kept for every full block. A prompt can be resumed from position k
 only when every attention block before k is cached *and* a state checkpoint sits at k: attention blocks past the last
 checkpoint are worth nothing to a prefill (they are recomputed with the state). A decode engine needs no checkpoint
 (it reads the state from the prefill engine, and only the attention blocks it lacks), so for it every shared leading

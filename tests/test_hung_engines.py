@@ -1,0 +1,137 @@
+"""Hung engines fail over like dead ones: an engine whose vLLM processes are stopped (SIGSTOP: alive, holding its
+Ray stream open, vLLM's `errored` flag clear) is found not stepping, its requests continue on another pair - token for
+token - the coordinator takes it out of every pair, and when it continues (SIGCONT) its late output reaches nobody."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from actors.coordinator import CoordinatorActor
+from actors.engine import launch_engine_actor, stop_engine_actors
+from actors.router import Router
+from tests.pd_helpers import oracle, prompts
+
+pytestmark = pytest.mark.engine
+
+STALL_S = 2.0  # both the engines' margin (PD_ENGINE_STALL_S) and the router's silence before it asks
+ENGINES = ("prefill-a", "prefill-b", "decode-a", "decode-b")
+
+
+@pytest.fixture(scope="module")
+def cl(ray_local, gdn_model):
+    coordinator = CoordinatorActor.options(name="coordinator-hung").remote()
+    launched = {e: launch_engine_actor(str(gdn_model), 1, role=e.split("-")[0], engine_id=e,
+                                       extra_env={"PD_ENGINE_STALL_S": str(STALL_S)}) for e in ENGINES}
+    engines = {e: h for e, (h, _) in launched.items()}
+    try:
+        ray.get([ref for _, ref in launched.values()])
+        for e in ENGINES:
+            ray.get(engines[e].register(coordinator))
+        yield coordinator, engines
+    finally:
+        for h in engines.values():  # never leave a stopped process behind
+            _signal(h, signal.SIGCONT)
+        stop_engine_actors(list(engines.values()))
+        ray.kill(coordinator, no_restart=True)
+
+
+def _vllm_pids(engine) -> list[int]:
+    return ray.get(engine.pids())[1:]  # the actor first, then every process vLLM started under it
+
+
+def _signal(engine, sig: int) -> None:
+    try:
+        pids = _vllm_pids(engine)
+    except Exception:  # noqa: BLE001 - stopped already
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _routes(coordinator) -> dict[str, list[str]]:
+    return ray.get(coordinator.routes.remote())
+
+
+def test_a_hung_decode_engine_fails_over_mid_stream(cl):
+    """A greedy stream's decode engine stops after a few tokens: within seconds the stream continues on another
+    pair, its tokens exactly the model's; the engine reports itself stuck, the coordinator removes it, and after
+    SIGCONT nothing it produces late reaches the request (the output would no longer be the model's)."""
+    coordinator, engines = cl
+    router = Router(coordinator, stall_s=STALL_S, policy="load")
+    prompt = prompts(seed=31, lengths=(300,))[0]
+    n = 48
+    stopped: list[str] = []
+
+    async def run() -> tuple[list[int], float]:
+        out: list[int] = []
+        resumed_after = 0.0
+        params = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        async for item in router.generate(prompt, params):
+            if len(out) >= 4 and not stopped:
+                d_id = next(d for d in ("decode-a", "decode-b") if router.inflight[d])
+                _signal(engines[d_id], signal.SIGSTOP)
+                stopped.append(d_id)
+                t_stop = time.monotonic()
+            elif stopped and not resumed_after:
+                resumed_after = time.monotonic() - t_stop
+            out += item["token_ids"]
+        return out, resumed_after
+
+    try:
+        out, resumed_after = asyncio.run(run())
+        hung = stopped[0]
+        assert out == oracle(prompt, n)  # token for token across the failover
+        assert router.failed_over == 1
+        assert resumed_after < 6 * STALL_S + 10, resumed_after
+        verdict = asyncio.run(_verdict(engines[hung]))
+        assert verdict.state == "failed" and "stuck" in verdict.why
+        deadline = time.monotonic() + 30
+        while hung in {d for ds in _routes(coordinator).values() for d in ds} and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert hung not in {d for ds in _routes(coordinator).values() for d in ds}
+    finally:
+        for e in stopped:
+            _signal(engines[e], signal.SIGCONT)
+    time.sleep(2 * STALL_S)  # its late outputs, if any, arrive now: to no request
+    again = asyncio.run(_one(router, prompt, n))
+    assert again == oracle(prompt, n)
+
+
+def test_a_hung_prefill_engine_is_retried_elsewhere(cl):
+    """One prefill engine stops before a request reaches it: the prefill waits `stall_s`, the engine is found
+    stuck, and the request is prefilled on the other one, with the model's output."""
+    coordinator, engines = cl
+    live = [p for p in _routes(coordinator) if p.startswith("prefill")]
+    assert len(live) == 2
+    router = Router(coordinator, stall_s=STALL_S, policy="load")
+    router._pick = lambda candidates, role: sorted(candidates)[0]  # prefill-a first, whatever the rotation
+    _signal(engines["prefill-a"], signal.SIGSTOP)
+    try:
+        prompt = prompts(seed=32, lengths=(200,))[0]
+        t0 = time.monotonic()
+        out = asyncio.run(_one(router, prompt, 8))
+        took = time.monotonic() - t0
+    finally:
+        _signal(engines["prefill-a"], signal.SIGCONT)
+    assert out == oracle(prompt, 8)
+    assert router.retried == 1 and took < 6 * STALL_S + 10, took
+
+
+async def _one(router: Router, prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    async for item in router.generate(prompt, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}):
+        out += item["token_ids"]
+    return out
+
+
+async def _verdict(engine):
+    return await engine.verdict()
