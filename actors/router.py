@@ -158,6 +158,7 @@ class Router:
         self.decisions: Counter[str] = Counter()  # prefill engines chosen, by reason (`cluster.core.prefix`)
         self.pending_tokens: Counter[str] = Counter()  # prefill engine id -> this router's prompt tokens routed there
         self.view_failures = 0  # engines that did not answer `resumable` in time
+        self.views, self.view_seconds = 0, 0.0  # choices that asked the engines, and the seconds they waited
 
     async def routes(self) -> dict[str, list[str]]:
         """Ready prefill engine -> approved ready decode engines, from the coordinator; while it does not answer
@@ -468,7 +469,10 @@ class Router:
         if len(candidates) == 1 and len(decodes) == 1 and self.local_prefill_queue is None:
             self.decisions["only"] += 1  # nothing to choose: no engine is asked
             return candidates[0], decodes[0], len(prompt_token_ids), False
+        t0 = time.monotonic()
         views = await self._views(prompt_token_ids, candidates + decodes)
+        self.view_seconds += time.monotonic() - t0
+        self.views += 1
         n = len(prompt_token_ids)
         p_views = [dataclasses.replace(views[p], queued_tokens=max(views[p].queued_tokens, self.pending_tokens[p]))
                    for p in candidates]

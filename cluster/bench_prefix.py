@@ -265,6 +265,8 @@ CLUSTER_COUNTERS = {
     "local_prefill": ("pd_requests_local_prefill_total", {}),
     "colocated": ("pd_requests_colocated_total", {}),
     "retried": ("pd_requests_retried_total", {}),
+    "views": ("pd_routing_views_total", {}),
+    "view_seconds": ("pd_routing_view_seconds_total", {}),
 }
 VLLM_COUNTERS = {
     "prompt": ("vllm:prompt_tokens_total", {}),
@@ -318,11 +320,14 @@ def prompt_token_use(before: dict[str, float | None], after: dict[str, float | N
     elif prompt is not None and cached is not None:
         out["computed_tokens"] = prompt - cached
         out["decode_cached_tokens"] = delta("decode_cached")
+        views, seconds = delta("views"), delta("view_seconds")
+        # what asking the engines cost each cache-aware choice (in its time to first token)
+        out["routing_view_ms"] = round(1000 * seconds / views, 2) if views and seconds is not None else None
         odd = {k: delta(k) for k in ("local_prefill", "colocated", "retried") if delta(k)}
         if odd:
             out["note"] = ("not every request was prefilled once by a prefill engine ("
                            + ", ".join(f"{k} {v:g}" for k, v in odd.items()) + "): computed tokens are approximate")
-    missing = [k for k, v in out.items() if k.endswith("tokens") and v is None]
+    missing = [k for k, v in out.items() if k.endswith("tokens") and v is None and k != "decode_cached_tokens"]
     if missing:
         out["note"] = f"the target's /metrics lacks counters for {', '.join(missing)}"
     return out
@@ -742,7 +747,9 @@ def run_workloads(target: str, kind: str, url: str, api_key: str | None, block_s
                 out["multi_turn"] = res = multi_turn_summary(rows, seconds, use)
                 say(f"multi-turn: {res['requests'] - res['failed']}/{res['requests']} turns in {seconds:.0f} s, TTFT "
                     f"p50 turns >= 2 {_fmt(res['ttft_p50_later_turns_ms'])} ms, computed {_num(use['computed_tokens'])}"
-                    f" / unavoidable {res['unavoidable_tokens']} prompt tokens" + (f" ({res['errors'][0]})" if
+                    f" / unavoidable {res['unavoidable_tokens']} prompt tokens"
+                    + (f", {use['routing_view_ms']} ms per choice asking the engines" if use.get("routing_view_ms")
+                       else "") + (f" ({res['errors'][0]})" if
                                                                                      res["errors"] else ""))
                 continue
             if workload == "prefix":
@@ -977,8 +984,8 @@ def add_args(p: Any) -> None:
     p.add_argument("--first-tokens", type=_positive, default=500, help="multi-turn: first user message (default 500)")
     p.add_argument("--user-tokens", type=_positive, default=64, help="multi-turn: each later user message (default 64)")
     p.add_argument("--reply-tokens", type=_positive, default=32, help="multi-turn: each reply (default 32)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV/state cache per cluster engine (default 1; "
-                   "vLLM-CPU takes whole GiB, at least 1: the launcher rounds)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.1, help="KV/state cache per cluster engine (default 0.1: "
+                   "small enough that the prefix workload's prefixes overflow one engine's cache in minutes)")
     p.add_argument("--prefixes", type=_positive, default=None, help="prefix: shared prefixes (default: 1.5x what one "
                    "engine's cache holds, estimated from the model's layout)")
     p.add_argument("--prompts-per-prefix", type=_positive, default=2, help="prefix: prompts per prefix (default 2)")

@@ -286,7 +286,7 @@ def test_parser_defaults_and_refusals():
     add_args(p)
     a = p.parse_args([])
     assert a.targets == "cache,load,vllm" and a.workloads == ["multi-turn", "prefix", "random"]
-    assert (a.conversations, a.turns, a.think_s, a.kv_cache_gib, a.seed) == (8, 5, 0.5, 1.0, 0)
+    assert (a.conversations, a.turns, a.think_s, a.kv_cache_gib, a.seed) == (8, 5, 0.5, 0.1, 0)
     assert a.prefixes is None and a.out_dir == "results" and Path(a.deploy) == REPO / "deploy.yaml"
     assert p.parse_args(["--workloads", "random,multi-turn"]).workloads == ["multi-turn", "random"]
     assert p.parse_args(["--out", "/tmp/x"]).out_dir == "/tmp/x"

@@ -133,6 +133,12 @@ class _ClusterCollector:
                  "while it did not answer (restarting)"),
                 ("pd_first_tokens_from_prefill", "first_from_prefill", "Requests whose first token the prefill "
                  "engine sampled (transfer.first_token_from_prefill); the others' came from the decode engine"),
+                ("pd_routing_views", "routing_views", "Cache-aware choices that asked the engines what they hold "
+                 "(routing.policy cache, more than one engine to choose from)"),
+                ("pd_routing_view_seconds", "routing_view_seconds", "Seconds those choices waited for the engines' "
+                 "answers (the routing's own cost in time to first token)"),
+                ("pd_routing_view_failures", "routing_view_failures", "Engines that did not answer what they hold "
+                 "within 0.5 s (the choice went on without them)"),
                 ("pd_requests_local_prefill", "local_prefill", "Requests their decode engine prefilled itself, with no "
                  "transfer, because their prefill engine was backlogged (transfer.local_prefill_queue) or their decode "
                  "engine idle (transfer.local_prefill_when_idle)")):
