@@ -143,6 +143,7 @@ class Router:
         # decode engine id -> this front end's output stream from it (bound to the event loop that opened it)
         self._channels: dict[str, DecodeChannel] = {}
         self._unreachable: set[str] = set()  # decode engines that could not reach this front end's local socket
+        self._reporting: set[str] = set()  # engines whose failure report to the coordinator is under way
         self.retried = 0  # requests retried on another pair after an engine failure
         self.failed_over = 0  # streams continued on another pair after their engine failed mid-stream
         self.first_from_prefill = 0  # requests whose first token the prefill engine sampled
@@ -296,11 +297,17 @@ class Router:
             del self._channels[engine_id]
 
     async def _report_failure(self, engine_id: str) -> None:
-        """Let the coordinator check the engine now (rather than at its next periodic check)."""
+        """Let the coordinator check the engine now (rather than at its next periodic check); once per engine at a
+        time: the requests that fail together on one engine make one report, not one each."""
+        if engine_id in self._reporting:
+            return
+        self._reporting.add(engine_id)
         try:
             await self.coordinator.engine_failed.remote(engine_id)
         except Exception as e:  # noqa: BLE001 - the coordinator's own health checks remain
             log.warning("could not report %s to the coordinator: %s", engine_id, e)
+        finally:
+            self._reporting.discard(engine_id)
 
     async def _channel(self, engine_id: str, engine: EngineClient) -> "DecodeChannel":
         channel = self._channels.get(engine_id)

@@ -163,3 +163,29 @@ def test_an_engine_gone_after_the_coordinator_listed_it_is_retried():
     router = Router(coordinator, policy="load")
     router._pick = lambda candidates, role: sorted(candidates)[0]
     assert [o["token_ids"] for o in asyncio.run(collect(router))] == [[4]] and router.retried == 1
+
+
+def test_requests_failing_together_on_one_engine_make_one_report():
+    """Six requests whose decode engine ends each with an error while the coordinator is still checking it: one
+    report of that engine reaches the coordinator (a burst used to take one coordinator slot per request)."""
+    class SlowCoordinator(FakeCoordinator):
+        def __init__(self, *a):
+            super().__init__(*a)
+
+            async def report(e):
+                self.reported.append(e)
+                await asyncio.sleep(0.5)
+
+            self.engine_failed = SimpleNamespace(remote=report)
+
+    engines = {"p": FakeEngine([]), "d": FakeEngine([{"token_ids": [], "text": "", "finish_reason": "error"}] * 6),
+               "d2": FakeEngine([tokens(4, finish="stop")] * 6)}
+    coordinator = SlowCoordinator(engines, [("p", "d"), ("p", "d2")])
+    router = Router(coordinator, policy="load")
+    router._pick = lambda candidates, role: sorted(candidates)[0]  # d first: every request fails there once
+
+    async def burst():
+        return await asyncio.gather(*(collect(router) for _ in range(6)), return_exceptions=True)
+
+    asyncio.run(burst())
+    assert coordinator.reported.count("d") == 1 and router.retried == 6
