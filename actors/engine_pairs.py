@@ -88,6 +88,8 @@ class PairsMixin:
         return await self._pd_call("pd_nixl_knows", list(agent_names))
 
     async def remove_pair(self, prefill_engine_id: str) -> None:
+        """The prefill engine left: its pair plan and NIXL agents go, and transfer.verify's client of it."""
+        self._forget_prefill(prefill_engine_id)
         if self.engine is not None:
             await self._pd_call("pd_remove_pair", prefill_engine_id)
 

@@ -41,6 +41,7 @@ class VerifyMixin:
         self._verify_task: asyncio.Task | None = None
         self._verify_grace_until = 0.0
         self._verify_ms: list[float] = []
+        self._prefill_clients: dict[str, Any] = {}  # prefill engine id -> its client, asked of the coordinator once
 
     # ---- transfer.verify: every byte range read checked against the prefill side's before the request runs ---------
     async def set_verify(self, fraction: float) -> None:
@@ -161,12 +162,26 @@ class VerifyMixin:
         return verdicts
 
     async def _prefill_checksums(self, prefill_id: str, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
-        if self._coordinator is None:
-            raise RuntimeError("this engine has not registered with a coordinator")
-        prefill = await asyncio.wait_for(self._coordinator.client.remote(prefill_id), 10)
+        """The prefill engine's checksums of `items`. Its client is asked of the coordinator once and kept until a
+        call to it fails: a coordinator that is restarting (or wedged) must not fail the checks of requests whose
+        prefill engine is alive (unverifiable is not verified: they would fail)."""
+        prefill = self._prefill_clients.get(prefill_id)
         if prefill is None:
-            raise RuntimeError(f"prefill engine {prefill_id} has left")
-        return await asyncio.wait_for(prefill.checksums(items), 10)
+            if self._coordinator is None:
+                raise RuntimeError("this engine has not registered with a coordinator")
+            prefill = await asyncio.wait_for(self._coordinator.client.remote(prefill_id), 10)
+            if prefill is None:
+                raise RuntimeError(f"prefill engine {prefill_id} has left")
+            self._prefill_clients[prefill_id] = prefill
+        try:
+            return await asyncio.wait_for(prefill.checksums(items), 10)
+        except Exception:
+            self._prefill_clients.pop(prefill_id, None)  # gone, or replaced under its id: ask again next time
+            raise
+
+    def _forget_prefill(self, prefill_id: str) -> None:
+        """A prefill engine's pair was removed: its client is not kept (`_prefill_checksums`)."""
+        self._prefill_clients.pop(prefill_id, None)
 
     async def checksums(self, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
         """Prefill side: CRC-32 of each item's byte ranges [(prefill rank, region, offsets, lengths)] in this engine's

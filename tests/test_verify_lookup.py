@@ -1,0 +1,58 @@
+"""transfer.verify's lookup of the prefill engine (`VerifyMixin._prefill_checksums`): asked of the coordinator once
+and kept, so that checks go on while the coordinator restarts; dropped when a call to it fails or its pair goes."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from actors.engine_verify import VerifyMixin
+
+
+class Prefill:
+    def __init__(self, fail: bool = False):
+        self.fail, self.calls = fail, 0
+
+    async def checksums(self, items):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("engine gone")
+        return {i: 7 for i in range(len(items))}
+
+
+def engine(coordinator) -> VerifyMixin:
+    e = VerifyMixin.__new__(VerifyMixin)
+    e._prefill_clients, e._coordinator = {}, coordinator
+    return e
+
+
+def coordinator(answers: list):
+    async def client(engine_id):
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    return SimpleNamespace(client=SimpleNamespace(remote=client))
+
+
+def test_checks_go_on_while_the_coordinator_does_not_answer():
+    p = Prefill()
+    e = engine(coordinator([p, RuntimeError("coordinator restarting")]))
+    assert asyncio.run(e._prefill_checksums("p0", [(0, 0, [0], [8])])) == {0: 7}
+    assert asyncio.run(e._prefill_checksums("p0", [(0, 0, [0], [8])] * 2)) == {0: 7, 1: 7}  # no second question
+    assert p.calls == 2
+
+
+def test_a_failing_client_is_asked_for_again_and_a_removed_pair_forgotten():
+    bad, good = Prefill(fail=True), Prefill()
+    e = engine(coordinator([bad, good, good]))
+    with pytest.raises(RuntimeError, match="engine gone"):
+        asyncio.run(e._prefill_checksums("p0", [(0, 0, [0], [8])]))
+    assert asyncio.run(e._prefill_checksums("p0", [(0, 0, [0], [8])])) == {0: 7}
+    e._forget_prefill("p0")
+    assert "p0" not in e._prefill_clients
+    with pytest.raises(RuntimeError, match="has left"):
+        asyncio.run(engine(coordinator([None]))._prefill_checksums("p1", []))
