@@ -18,6 +18,7 @@ from cluster.core.layout import LayoutError, layout_from_report
 from cluster.core.planner import IncompatiblePair
 
 HEALTH_INTERVAL_S = float(os.environ.get("PD_HEALTH_INTERVAL_S", "2"))  # how often the coordinator checks engines
+HISTORY_KEPT = 1000  # removed engines and their clean-ups remembered (the most recent)
 UNAVAILABLE_RECHECKS, UNAVAILABLE_RECHECK_S = 10, 0.25  # an unreachable engine is asked again for up to 2.5 s
 log = logging.getLogger("pd.coordinator")
 
@@ -215,7 +216,7 @@ class CoordinatorActor:
         if self.clients.get(engine_id) is not engine:  # it left, or re-registered, while we asked
             return False
         log.warning("engine %s is %s: removing it from every pair", engine_id, why)
-        self.removed.append({"engine_id": engine_id, "why": why, "time": time.time()})
+        self.removed = (self.removed + [{"engine_id": engine_id, "why": why, "time": time.time()}])[-HISTORY_KEPT:]
         await self._deregister(engine_id)
         return True
 
@@ -234,6 +235,8 @@ class CoordinatorActor:
         async def wait() -> None:
             try:
                 self.cleaned[engine_id] = await ref
+                while len(self.cleaned) > HISTORY_KEPT:  # a long-running cluster's history stays bounded
+                    del self.cleaned[next(iter(self.cleaned))]
                 log.info("removed what dead engine %s left: %s", engine_id, self.cleaned[engine_id])
             except Exception as e:  # noqa: BLE001 - its node may be gone too
                 log.warning("could not clean up after dead engine %s: %s", engine_id, e)

@@ -182,6 +182,8 @@ class Router:
         listed = set(routes).union(*routes.values())
         for engine_id in [e for e in self._engines if e not in listed]:  # left (or not ready): asked again if it returns
             del self._engines[engine_id]
+        for engine_id in [e for e, c in self._channels.items() if c.closed and e not in listed]:
+            del self._channels[engine_id]  # its stream ended when it left: nothing waits on it
         return routes
 
     async def _ask(self, method: str, *args: Any) -> Any:

@@ -189,3 +189,23 @@ def test_requests_failing_together_on_one_engine_make_one_report():
 
     asyncio.run(burst())
     assert coordinator.reported.count("d") == 1 and router.retried == 6
+
+
+def test_engines_that_left_the_routes_are_forgotten():
+    """A router keeps no client (nor ended channel) of an engine the coordinator no longer lists: a long-running
+    front end does not grow with every engine that ever came and went."""
+    d = FakeEngine([tokens(4, finish="stop")])
+    coordinator = FakeCoordinator({"p": FakeEngine([]), "d": d, "d2": FakeEngine([])}, [("p", "d"), ("p", "d2")])
+    router = Router(coordinator, policy="load")
+    router._pick = lambda candidates, role: sorted(candidates)[0]
+
+    async def run():
+        outs = await collect(router)
+        assert "d" in router._engines and "d" in router._channels
+        router._channels["d"].closed = True  # its stream ended (the engine left)
+        coordinator.pairs = [("p", "d2")]
+        await router.routes()
+        return outs
+
+    assert [o["token_ids"] for o in asyncio.run(run())] == [[4]]
+    assert "d" not in router._engines and "d" not in router._channels and "p" in router._engines
