@@ -9,6 +9,7 @@ every read range on both sides; `memcpy` measures a single-process copy of the s
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 import zlib
@@ -26,6 +27,9 @@ class TransferSide:
         from nixl._api import nixl_agent, nixl_agent_config
 
         install_progress_delay()
+        # one cma call per descriptor, as in the engines' workers (actors.connector.CMA_SEG_SIZE, which sets it there:
+        # that module imports vLLM, which this actor does not need)
+        os.environ.setdefault("UCX_CMA_SEG_SIZE", "1G")
         self.layout = layout
         self.agents, self.regions, self.names = [], [], []
         rng = np.random.default_rng(1234)
@@ -60,21 +64,33 @@ class TransferSide:
         self.remote = [n.decode() if isinstance(n, bytes) else n for n in names]
 
     def _descs(self, rank: int, reads) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Per remote rank: (local, remote) Nx3 (address, length, device) arrays of one decode rank's reads."""
-        local_bases = [m.ctypes.data for m in self.regions[rank]]
-        per_remote: dict[int, tuple[list, list]] = {}
+        """Per remote rank: (local, remote) Nx3 (address, length, device) arrays of one decode rank's reads, built as
+        the connector builds them (`PlannedPullWorker._pd_rows`): a planner row pattern at a time over all its regions
+        and remote ranks with whole-array operations."""
+        local_bases = np.array([m.ctypes.data for m in self.regions[rank]], np.int64)
+        remote_bases = np.array(self.remote_bases, np.int64)  # (remote rank, region)
+        parts = []
         for rr in reads:
             rows = rr.rows
-            for region in rr.regions:
-                for remote_rank in np.unique(rows[:, 0]):
-                    sel = rows[rows[:, 0] == remote_rank]
-                    n = len(sel)
-                    loc = np.stack([local_bases[region] + sel[:, 2], sel[:, 3], np.zeros(n, np.int64)], axis=1)
-                    rem = np.stack([self.remote_bases[int(remote_rank)][region] + sel[:, 1], sel[:, 3], np.zeros(n, np.int64)], axis=1)
-                    acc = per_remote.setdefault(int(remote_rank), ([], []))
-                    acc[0].append(loc)
-                    acc[1].append(rem)
-        return {r: (np.concatenate(l), np.concatenate(m)) for r, (l, m) in per_remote.items()}
+            if not len(rows):
+                continue
+            regions = np.asarray(rr.regions, np.int64)[:, None]
+            block = np.empty((len(regions), len(rows), 4), np.int64)  # (region, row) -> rank, remote, local, bytes
+            block[..., 0] = rows[:, 0]
+            block[..., 1] = remote_bases[rows[:, 0], regions] + rows[:, 1]
+            block[..., 2] = local_bases[regions] + rows[:, 2]
+            block[..., 3] = rows[:, 3]
+            parts.append(block.reshape(-1, 4))
+        if not parts:
+            return {}
+        table = np.concatenate(parts)
+        table = table[np.argsort(table[:, 0], kind="stable")]  # by remote rank, each rank's rows in planner order
+        ranks, starts = np.unique(table[:, 0], return_index=True)
+        out = {}
+        for r, part in zip(ranks, np.split(table, starts[1:])):
+            zeros = np.zeros(len(part), np.int64)
+            out[int(r)] = (np.stack([part[:, 2], part[:, 3], zeros], axis=1), np.stack([part[:, 1], part[:, 3], zeros], axis=1))
+        return out
 
     def read(self, plan) -> dict[str, float]:
         """Post every decode rank's reads of `plan` (a RequestPlan) at once and wait for all of them. Returns seconds:
