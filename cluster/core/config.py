@@ -274,8 +274,7 @@ class RoutingConfig(_Strict):
         "cache", description="how a request's pair is chosen: 'cache' - by cost, the prompt tokens each prefill engine "
         "would compute past the longest prefix it can resume (attention blocks and a recurrent-state checkpoint) plus "
         "the prompt tokens already queued on it, so that a prefix hit wins unless its engine is overloaded, and among "
-        "the decode engines approved for it the least loaded, then the one holding most of the prompt's attention "
-        "blocks; 'load' - the least-loaded engines, prefixes ignored")
+        "the decode engines approved for it the least loaded; 'load' - the least-loaded engines, prefixes ignored")
     stall_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="hung engines: a decode stream with requests waiting and no output for this "
         "long, or a prefill unanswered this long, has its engine's health asked; unless the engine is healthy (its "

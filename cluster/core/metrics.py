@@ -148,7 +148,7 @@ class _ClusterCollector:
         routing = CounterMetricFamily("pd_routing_decisions", "Prefill engines chosen by this front end's router, by "
                                       "reason: hit (the engine resumes a prefix), spread (a longer prefix sits on a "
                                       "busier engine), load (nobody holds any of the prompt; or routing.policy load), "
-                                      "only (one engine could take it), local (its decode engine resumes more of it "
+                                      "only (one prefill engine could take it), local (its decode engine resumes more of it "
                                       "and prefills it itself)",
                                       labels=["reason"])
         for reason, n in sorted(state.get("routing", {}).items()):
