@@ -44,7 +44,7 @@ from vllm.logger import init_logger
 
 from actors.engine_report import report_from_vllm
 from actors.nixl_setup import install_progress_delay
-from cluster.core.planner import PairPlan, RequestPlan, plan_request
+from cluster.core.planner import PairPlan, RequestPlan, address_rows, plan_request
 from cluster.core.verify import VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
 from cluster.core.wire import FIRST_TOKEN, pair_from_dict
 
@@ -587,38 +587,25 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         each): a range outside it fails the request, never a write. With `checks`, appends (prefill rank, region,
         rows of (remote offset, local offset, bytes)) for each region read: what transfer.verify compares.
 
-        Built with whole-array operations, a planner row pattern at a time over all its regions and prefill ranks:
-        it runs for every request inside the engine step, and a loop per (region, prefill rank) cost 0.1-0.3 ms per
-        decode rank (now 0.05-0.08 ms), more than the NIXL request it feeds (`initialize_xfer`: ~0.07 ms)."""
+        The rows come from `cluster.core.planner.address_rows` (whole-array operations: 0.05-0.08 ms per decode rank
+        where a loop per region and prefill rank cost 0.1-0.3 ms, more than `initialize_xfer`'s ~0.07 ms)."""
         remote = self._pd_remote[engine_id]
         remote_bases = np.array([r["region_bases"] for r in remote], np.int64)  # (prefill rank, region)
         local_bases = np.asarray(self.kv_caches_base_addr[self.engine_id][self.tp_rank], np.int64)
         extent = self._logical_num_blocks * pair.decode.page_bytes
-        parts: list[np.ndarray] = []
-        for rr in plan.reads[self.tp_rank]:
+        reads = plan.reads[self.tp_rank]
+        for rr in reads:
             rows = rr.rows  # the same offsets in every region it lists: checked once
             if not len(rows):
                 continue
             if int(rows[:, 2].min()) < 0 or int((rows[:, 2] + rows[:, 3]).max()) > extent:
                 raise ValueError(f"a read of regions {list(rr.regions)} falls outside their {extent} bytes on decode "
                                  f"rank {self.tp_rank}")
-            regions = np.asarray(rr.regions, np.int64)[:, None]
-            block = np.empty((len(regions), len(rows), 4), np.int64)  # (region, row) -> rank, remote, local, bytes
-            block[..., 0] = rows[:, 0]
-            block[..., 1] = remote_bases[rows[:, 0], regions] + rows[:, 1]
-            block[..., 2] = local_bases[regions] + rows[:, 2]
-            block[..., 3] = rows[:, 3]
-            parts.append(block.reshape(-1, 4))
             if checks is not None:
                 for r in np.unique(rows[:, 0]):
                     sel = rows[rows[:, 0] == r]
                     checks.extend((int(r), int(region), sel[:, 1:4]) for region in rr.regions)
-        if not parts:
-            return {}
-        table = np.concatenate(parts)
-        table = table[np.argsort(table[:, 0], kind="stable")]  # by prefill rank, each rank's rows in planner order
-        ranks, starts = np.unique(table[:, 0], return_index=True)
-        return {int(r): part[:, 1:].astype(np.uint64) for r, part in zip(ranks, np.split(table, starts[1:]))}
+        return {r: rows.astype(np.uint64) for r, rows in address_rows(reads, remote_bases, local_bases).items()}
 
     @staticmethod
     def _pd_local_hit(pair: PairPlan, meta: Any) -> int:

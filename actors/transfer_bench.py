@@ -19,6 +19,7 @@ import ray
 
 from actors.nixl_setup import install_progress_delay
 from cluster.core.layout import EngineLayout
+from cluster.core.planner import address_rows
 
 
 @ray.remote(num_cpus=0)
@@ -69,27 +70,10 @@ class TransferSide:
         and remote ranks with whole-array operations."""
         local_bases = np.array([m.ctypes.data for m in self.regions[rank]], np.int64)
         remote_bases = np.array(self.remote_bases, np.int64)  # (remote rank, region)
-        parts = []
-        for rr in reads:
-            rows = rr.rows
-            if not len(rows):
-                continue
-            regions = np.asarray(rr.regions, np.int64)[:, None]
-            block = np.empty((len(regions), len(rows), 4), np.int64)  # (region, row) -> rank, remote, local, bytes
-            block[..., 0] = rows[:, 0]
-            block[..., 1] = remote_bases[rows[:, 0], regions] + rows[:, 1]
-            block[..., 2] = local_bases[regions] + rows[:, 2]
-            block[..., 3] = rows[:, 3]
-            parts.append(block.reshape(-1, 4))
-        if not parts:
-            return {}
-        table = np.concatenate(parts)
-        table = table[np.argsort(table[:, 0], kind="stable")]  # by remote rank, each rank's rows in planner order
-        ranks, starts = np.unique(table[:, 0], return_index=True)
         out = {}
-        for r, part in zip(ranks, np.split(table, starts[1:])):
+        for r, part in address_rows(reads, remote_bases, local_bases).items():
             zeros = np.zeros(len(part), np.int64)
-            out[int(r)] = (np.stack([part[:, 2], part[:, 3], zeros], axis=1), np.stack([part[:, 1], part[:, 3], zeros], axis=1))
+            out[r] = (np.stack([part[:, 1], part[:, 2], zeros], axis=1), np.stack([part[:, 0], part[:, 2], zeros], axis=1))
         return out
 
     def read(self, plan) -> dict[str, float]:
