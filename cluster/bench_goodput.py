@@ -520,21 +520,33 @@ def check_workload(args: Any, max_model_len: int) -> None:
         raise SystemExit(f"--rates: each rate once, not {args.rates}")
 
 
+def parse_targets(text: str, known: tuple[str, ...]) -> list[str]:
+    """`--targets` as a list, in the order given; a target unknown or named twice exits naming it."""
+    targets = text.split(",")
+    unknown = [t for t in targets if t not in known]
+    if unknown or len(set(targets)) != len(targets):
+        raise SystemExit(f"--targets: {', '.join(unknown) or 'a target twice'} (choose each at most once from "
+                         f"{', '.join(known)})")
+    return targets
+
+
+def deploy_model_dir(cfg: Any) -> str:
+    """The deploy file's model directory (a built-in model is built on first use)."""
+    from cluster.core.models import ensure_model
+
+    return str(Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin))
+
+
 def main(args: Any) -> int:
     from actors.engine import free_port
     from cluster.core.config import load_deploy
-    from cluster.core.models import ensure_model
     from cluster.launch import prefix_caching
 
-    targets = args.targets.split(",")
-    unknown = [t for t in targets if t not in KNOWN_TARGETS]
-    if unknown or len(set(targets)) != len(targets):
-        raise SystemExit(f"--targets: {', '.join(unknown) or 'a target twice'} (choose each at most once from "
-                         f"{', '.join(KNOWN_TARGETS)})")
+    targets = parse_targets(args.targets, KNOWN_TARGETS)
     deploy = Path(args.deploy)
     cfg = deploy_for_bench(load_deploy(deploy), free_port(), args.prefix_caching)
     check_workload(args, cfg.model.max_model_len)
-    model_dir = str(Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin))
+    model_dir = deploy_model_dir(cfg)
     caching = prefix_caching(cfg, "decode", model_dir)  # vLLM's servers as the cluster's decode pool
     out_dir = Path(args.out_dir)
     logs = out_dir / "bench_goodput_logs"

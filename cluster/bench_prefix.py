@@ -831,21 +831,16 @@ def bench_vllm(model_dir: str, name: str, token_ids: list[int], args: Any, spec:
 
 # ---- the command --------------------------------------------------------------------------------------------------
 def main(args: Any) -> int:
-    from cluster.bench_goodput import VLLM_SERVER_MAX_MODEL_LEN, machine
+    from cluster.bench_goodput import VLLM_SERVER_MAX_MODEL_LEN, deploy_model_dir, machine, parse_targets
     from cluster.core.config import load_deploy
-    from cluster.core.models import ensure_model
 
-    targets = args.targets.split(",")
-    unknown = [t for t in targets if t not in KNOWN_TARGETS]
-    if unknown or len(set(targets)) != len(targets):
-        raise SystemExit(f"--targets: {', '.join(unknown) or 'a target twice'} (choose each at most once from "
-                         f"{', '.join(KNOWN_TARGETS)})")
+    targets = parse_targets(args.targets, KNOWN_TARGETS)
     deploy = Path(args.deploy)
     base = load_deploy(deploy)
     if base.device != "cpu":
         raise SystemExit(f"bench prefix-routing shapes its cluster for a CPU host (shared cores, KV cache in GiB of "
                          f"DRAM); {deploy} has device {base.device!r}")
-    model_dir = str(Path(base.model.path).resolve() if base.model.path else ensure_model(base.model.builtin))
+    model_dir = deploy_model_dir(base)
     bench_cfg = deploy_for_prefix_bench(base, 1, "cache", args.kv_cache_gib)  # for the sizes; each target its own port
     spec = MultiTurn(args.conversations, args.turns, args.think_s, args.first_tokens, args.user_tokens,
                      args.reply_tokens, args.seed)
