@@ -201,6 +201,10 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         normal_priority(f"engine {self.engine_id}")  # before vLLM's processes start: they inherit it
         actor_cores = os.sched_getaffinity(0)
         cores = self._take_cores()
+        if self.kwargs.get("kv_cache_memory_bytes") is not None and os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None):
+            # vLLM-CPU's variable (inherited from whoever started Ray) would override the exact size asked for
+            log.warning("engine %s: VLLM_CPU_KVCACHE_SPACE ignored: the pool's kv_cache_gib sets the cache size",
+                        self.engine_id)
 
         def build() -> Any:
             if not cores:

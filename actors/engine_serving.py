@@ -277,7 +277,10 @@ class ServingMixin:
                     colocated = False
                 if output.outputs:
                     c = output.outputs[0]
-                    generated = list(c.token_ids) if _cumulative(params) else generated + list(c.token_ids)
+                    if _cumulative(params):
+                        generated = list(c.token_ids)
+                    else:
+                        generated.extend(c.token_ids)
                     if c.finish_reason in ("stop", "length"):  # its blocks stay in the cache for the next turn
                         self.prefixes.decoded(list(prompt_token_ids) + generated[:-1])
                 if detokenizer is not None and output.outputs:  # deltas (a continuation always streams them)

@@ -104,7 +104,7 @@ POLICIES = ("cache", "load")
 class Router:
     """Picks a prefill engine, then a decode engine approved for it: with `policy` "cache" by cost (`_by_cost`:
     the prompt tokens each prefill engine would compute past the prefix it can resume, plus its queue; then the
-    least-loaded decode engine, holding most of the prompt), with "load" the least-loaded of each.
+    least-loaded decode engine approved for it), with "load" the least-loaded of each.
 
     `decode_transport`: "auto" - decode outputs over a local ZeroMQ socket from engines on this node, over the Ray
     stream from the others; "ray" - always over the Ray stream. `first_token_from_prefill`: the prefill engine
@@ -137,6 +137,7 @@ class Router:
         self.inflight: Counter[str] = Counter()
         # decode engine id -> this router's disaggregated requests bound for it, from their prefill's start to their end
         self.heading: Counter[str] = Counter()
+        self._headed_decoding: Counter[str] = Counter()  # of those, the ones already decoding (also in inflight)
         self._engines: dict[str, EngineClient] = {}
         self._rr: collections.defaultdict[str, itertools.count] = collections.defaultdict(itertools.count)
         self._cleanup: set[asyncio.Task] = set()
@@ -305,7 +306,8 @@ class Router:
             return
         self._reporting.add(engine_id)
         try:
-            await self.coordinator.engine_failed.remote(engine_id)
+            await asyncio.wait_for(_awaitable(self.coordinator.engine_failed.remote(engine_id)),
+                                   2 * COORDINATOR_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the coordinator's own health checks remain
             log.warning("could not report %s to the coordinator: %s", engine_id, e)
         finally:
@@ -350,11 +352,11 @@ class Router:
                 self.degraded = None
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
-        local_by_cache = False
+        local_by_cache, reason = False, "load"
         uncached = len(prompt_token_ids)  # prompt tokens the prefill engine is expected to compute
         if pair is None and self.policy == "cache":
-            p_id, d_id, uncached, local_by_cache = await self._by_cost(prompt_token_ids, prefills, prefer_not, routes,
-                                                                      avoid)
+            p_id, d_id, uncached, local_by_cache, reason = await self._by_cost(prompt_token_ids, prefills, prefer_not,
+                                                                              routes, avoid)
         else:
             p_id = pair[0] if pair else self._pick([p for p in prefills if p not in prefer_not] or prefills, "prefill")
             decodes = [d for d in routes[p_id] if d not in avoid] if p_id in prefills else []
@@ -363,12 +365,13 @@ class Router:
             if not decodes:
                 raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
             d_id = pair[1] if pair else self._pick(decodes, "decode")
-            if pair is None:
-                self.decisions["load"] += 1
         prefill, decode = await self.engine(p_id, "prefill"), await self.engine(d_id, "decode")
         backlogged = self.local_prefill_queue is not None and self.inflight[p_id] >= self.local_prefill_queue
         idle = self.local_prefill_when_idle and self.inflight[d_id] == 0 and self.heading[d_id] == 0
-        if pair is None and (backlogged or idle or local_by_cache):
+        local = pair is None and (backlogged or idle or local_by_cache)
+        if pair is None:
+            self.decisions["local" if local else reason] += 1
+        if local:
             # conditional disaggregation: the least-loaded prefill engine already has its queue, or the decode engine
             # has no stream to stall; the decode engine computes this prompt in its own steps instead, with no
             # transfer (vLLM's chunked prefill)
@@ -443,11 +446,13 @@ class Router:
             self.pending_tokens[p_id] -= uncached  # 0 unless the prefill never started
 
     async def _prefilled(self, prefill: EngineClient, ref: Any) -> Prefilled:
-        """A prefill's answer. Every `stall_s` without one the engine's health is asked: a hung engine (not stepping,
-        or not answering) raises `_Stuck` at once, as does no answer within `prefill_timeout_s`; a busy, healthy
-        engine is waited for."""
+        """A prefill's answer. Every `stall_s` without one the engine's health is asked: an engine found failed (not
+        stepping: `actors.engine_progress`) or dead raises `_Stuck` at once, one that does not answer its health
+        (slow, unreachable) twice in a row too, as does no answer within `prefill_timeout_s`; a busy, healthy engine is
+        waited for."""
         waiting = asyncio.ensure_future(_awaitable(ref))
         t0 = time.monotonic()
+        strikes = 0  # health answers in a row that were neither healthy nor a verdict of death (slow, unreachable)
         try:
             while True:
                 left = self.prefill_timeout_s - (time.monotonic() - t0)
@@ -456,24 +461,25 @@ class Router:
                 done, _ = await asyncio.wait({waiting}, timeout=min(self.stall_s, left))
                 if done:
                     return waiting.result()
-                verdict = await prefill.verdict(min(self.stall_s, HELLO_TIMEOUT_S))
-                if verdict.state != "healthy":
+                verdict = await prefill.verdict()
+                strikes = strikes + 1 if verdict.state != "healthy" else 0
+                if verdict.gone or strikes >= 2:
                     raise _Stuck(f"no answer for {time.monotonic() - t0:.0f} s and the engine is {verdict.why}")
         finally:
             if not waiting.done():
                 waiting.cancel()  # the Ray call itself is cancelled by the caller (`_cancel_prefill`)
 
     async def _by_cost(self, prompt_token_ids: list[int], prefills: list[str], prefer_not: frozenset[str] | set[str],
-                       routes: dict[str, list[str]], avoid: set[str]) -> tuple[str, str, int, bool]:
+                       routes: dict[str, list[str]], avoid: set[str]) -> tuple[str, str, int, bool, str]:
         """routing.policy cache: the prefill engine of least cost (`cluster.core.prefix.choose_prefill`: its queue
         plus the prompt past the prefix it can resume), then among the decode engines approved for it the least
-        loaded (`choose_decode`; with conditional disaggregation on, they are asked too, and ties go to the one
-        holding most of the prompt). Each engine answers for itself (`resumable`), so every
+        loaded (`choose_decode`; with `local_prefill_queue` set they are asked too, and ties go to the one holding
+        most of the prompt). Each engine answers for itself (`resumable`), so every
         front end sees one picture; the queue this router put on an engine and has not seen it report yet counts
         too (requests routed in one burst spread instead of all taking the one hit). Returns (prefill engine, decode
         engine, the prompt tokens the prefill engine is expected to compute, whether the decode engine should
         prefill it itself: conditional disaggregation is on and that engine resumes a longer prefix, computing less
-        than the prefill engine's cost)."""
+        than the prefill engine's cost, and why the prefill engine was chosen: `choose_prefill`'s reason, or "only")."""
         candidates = self._rotated([p for p in prefills if p not in prefer_not] or prefills, "prefill")
         decodes = sorted({d for p in candidates for d in routes[p] if d not in avoid})
         local_rule = self.local_prefill_queue is not None
@@ -498,21 +504,24 @@ class Router:
         if not approved:
             raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
         d_known = {d: views.get(d, EngineView(d)) for d in approved}  # unasked: their load as this router sees it
-        d_views = [dataclasses.replace(v, running=max(v.running, self.inflight[d]) + self.heading[d])
-                   for d, v in d_known.items()]
+        # this router's requests on each: decoding there (inflight, which includes those it prefilled itself) plus
+        # those in prefill headed there (heading, less those of them already decoding: counted once)
+        d_views = [dataclasses.replace(v, running=max(v.running, self.inflight[d]) + self.heading[d]
+                                       - self._headed_decoding[d]) for d, v in d_known.items()]
         d_id = choose_decode(d_views)
         d_hit = d_known[d_id].resumable.checkpoint_tokens
         local = local_rule and d_hit > p_view.resumable.checkpoint_tokens and n - d_hit < prefill_cost(n, p_view)
-        self.decisions["local" if local else reason] += 1
-        return p_id, d_id, n - p_view.resumable.checkpoint_tokens, local
+        return p_id, d_id, n - p_view.resumable.checkpoint_tokens, local, reason
 
     async def _views(self, prompt_token_ids: list[int], engine_ids: list[str]) -> dict[str, EngineView]:
         """Each engine's `resumable` answer; one that does not answer within VIEW_TIMEOUT_S (or has left) is seen as
         holding nothing, with this router's own load."""
+        async def ask(engine_id: str) -> EngineView:
+            return await (await self.engine(engine_id)).resumable(prompt_token_ids)
+
         async def one(engine_id: str) -> EngineView:
             try:
-                engine = await self.engine(engine_id)
-                return await asyncio.wait_for(_awaitable(engine.resumable(prompt_token_ids)), VIEW_TIMEOUT_S)
+                return await asyncio.wait_for(ask(engine_id), VIEW_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - slow, gone, or failing: routed on load; its requests tell
                 self.view_failures += 1
                 log.debug("engine %s did not say what it holds: %s", engine_id, _cause(e))
@@ -558,6 +567,8 @@ class Router:
         describes from prefill engine `p_id`, or (prefilled None) the whole request on that one engine."""
         kv_params = prefilled.kv_transfer_params if prefilled else None
         self.inflight[d_id] += 1
+        headed = prefilled is not None  # a disaggregated request: also in `heading` until its end
+        self._headed_decoding[d_id] += headed
         finished = streamed = False
         inbox = None
         try:
@@ -597,6 +608,7 @@ class Router:
             raise EngineFailure("decode", d_id, e, streamed=streamed) from None
         finally:
             self.inflight[d_id] -= 1
+            self._headed_decoding[d_id] -= headed
             if inbox is not None:
                 inbox.leave()
             if not finished:  # the consumer went away, or an error: stop the decode side, free the prefill side
@@ -747,17 +759,20 @@ class DecodeChannel:
 
     async def _watchdog(self) -> None:
         """A hung engine sends nothing and its Ray stream stays open: while requests wait on the channel and nothing
-        has come for `stall_s`, ask the engine's health; unless it is healthy (busy, stepping), end the channel -
-        its requests fail over as for a dead engine. Their late outputs, should it continue, reach no inbox."""
+        has come for `stall_s`, ask the engine's health; if it is failed (not stepping) or dead - or does not answer
+        its health twice in a row - end the channel: its requests fail over as for a dead engine. A healthy (busy)
+        engine is asked again after another `stall_s`. Late outputs, should it continue, reach no inbox."""
+        strikes = 0  # health answers in a row that were neither healthy nor a verdict of death (slow, unreachable)
         try:
             while not self.closed:
                 await asyncio.sleep(min(1.0, self.stall_s / 4))
                 silent = time.monotonic() - max(self.last_message, self._joined)
                 if not self.inboxes or silent < self.stall_s:
                     continue
-                verdict = await self.engine.verdict(min(self.stall_s, HELLO_TIMEOUT_S))
-                if verdict.state == "healthy":
-                    self.last_message = time.monotonic()  # busy: ask again after another stall_s
+                verdict = await self.engine.verdict()
+                strikes = strikes + 1 if verdict.state != "healthy" else 0
+                if not verdict.gone and strikes < 2:  # healthy (busy), or slow to answer once: ask again later
+                    self.last_message = time.monotonic()
                     continue
                 silent = time.monotonic() - max(self.last_message, self._joined)
                 self.error = RuntimeError(f"no output from decode engine {self.engine_id} for {silent:.0f} s, and it "

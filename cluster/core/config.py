@@ -277,9 +277,10 @@ class RoutingConfig(_Strict):
         "the decode engines approved for it the least loaded; 'load' - the least-loaded engines, prefixes ignored")
     stall_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="hung engines: a decode stream with requests waiting and no output for this "
-        "long, or a prefill unanswered this long, has its engine's health asked; unless the engine is healthy (its "
-        "EngineCore still steps: PD_ENGINE_STALL_S past its slowest step), the requests fail over to another pair as "
-        "for a dead engine, and the engine is taken out of every pair")
+        "long, or a prefill unanswered this long, has its engine's health asked; if the engine is failed (its "
+        "EngineCore has not stepped for twice its slowest step plus PD_ENGINE_STALL_S, 30 s) or dead, or twice does "
+        "not answer, the requests fail over to another pair as for a dead engine, and the engine is taken out of "
+        "every pair")
 
 
 class DeployConfig(_Strict):
