@@ -66,13 +66,6 @@ def _push_socket(address: str) -> "zmq.Socket":
     return sock
 
 
-def _cumulative(params: Any) -> bool:
-    """Whether each output carries all the tokens so far (vLLM's CUMULATIVE and FINAL_ONLY), not just the new ones."""
-    from vllm.sampling_params import RequestOutputKind
-
-    return params.output_kind != RequestOutputKind.DELTA
-
-
 class ServingMixin:
     """`EngineActor`'s requests (needs `engine`, `engine_id`, `_totals`, the load counters, transfer.verify's
     bookkeeping and `release`/`_pd_call`, set by the actor and its other parts)."""
@@ -265,7 +258,11 @@ class ServingMixin:
         engine runs the whole prompt (its prefix-cache hit is counted here; a read's is counted with the read)."""
         detokenizer = self._continuation_detokenizer(prompt_token_ids, continued, params)
         predicted = self.prefixes.predict(prompt_token_ids).checkpoint_tokens if colocated else 0
-        generated: list[int] = []  # the output's token ids (deltas; a final-only output carries them all)
+        generated: list[int] = []  # the output's token ids, for the prefix record (when the engine keeps one)
+        track = self.prefixes.record is not None
+        from vllm.sampling_params import RequestOutputKind
+
+        cumulative = params.output_kind != RequestOutputKind.DELTA  # each output carries all the tokens so far
         try:
             async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params,
                                                      request_id=request_id):
@@ -275,9 +272,9 @@ class ServingMixin:
                     self.prefixes.prefilled(prompt_token_ids, predicted, output.num_cached_tokens or 0,
                                             len(prompt_token_ids))
                     colocated = False
-                if output.outputs:
+                if track and output.outputs:
                     c = output.outputs[0]
-                    if _cumulative(params):
+                    if cumulative:
                         generated = list(c.token_ids)
                     else:
                         generated.extend(c.token_ids)
