@@ -80,6 +80,7 @@ class FrontendSettings:
     local_prefill_when_idle: bool = False
     routing_policy: str = "cache"
     stall_timeout_s: float = 10.0
+    replicas: int = 1  # front ends of this deployment on the port (they share it)
 
 
 def vllm_args(settings: FrontendSettings):
@@ -585,9 +586,10 @@ async def _send_error(send: Any, status: int, message: str = "", code: str | Non
     await send({"type": "http.response.body", "body": body})
 
 
-async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[Any, Any]:
+async def build_frontend(settings: FrontendSettings, coordinator: Any, replica: int = 0) -> tuple[Any, Any]:
     """vLLM's OpenAI app over the cluster, behind the front end's own layers (`guarded`): (ASGI app, engine client).
-    The client's `health` (a started `HealthWatch`) is to be stopped with the app."""
+    The client's `health` (a started `HealthWatch`) is to be stopped with the app. `replica`: this front end's index
+    among those sharing the port (/health says which one answered)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -614,6 +616,7 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any) -> tuple[
     async def health():
         """See `health_report`; answered from the front end's last snapshot (`HealthWatch`), `age_s` old."""
         code, body = await client.health.report()
+        body = {**body, "frontend": replica}
         return body if code == 200 else JSONResponse(body, status_code=code, headers=retry)
 
     @app.get("/metrics", response_class=Response)
@@ -787,44 +790,142 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
             "stale_routed": router.stale_routed, "local_prefill": router.local_prefill}
 
 
-@ray.remote(num_cpus=0)
+# The front end is supervised by Ray: killed, it is restarted in place (pinned to its node by `cluster.launch`) and
+# serves again on its own, with its settings as it was created with - nobody has to call `start` again.
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class HTTPFrontend:
-    """The front end's process: vLLM's OpenAI app over the cluster, served by uvicorn on the configured address."""
+    """One front-end process: vLLM's OpenAI app over the cluster, served by uvicorn on the configured address.
 
-    def __init__(self) -> None:
+    Created with its settings (`cluster.launch.start_http`), it starts serving at once and again after each restart;
+    `start` waits for that and returns the URL. Several replicas share one port (`http.replicas`, SO_REUSEPORT: the
+    kernel spreads new connections over the listening processes); each has its own router, admission bound and
+    metrics. Created bare (tests), `start(settings)` starts it."""
+
+    def __init__(self, settings: FrontendSettings | None = None, replica: int = 0) -> None:
         self.server = None
         self.task: asyncio.Task | None = None
         self.client: Any = None
+        self.settings, self.replica = settings, replica
+        self.url: str | None = None
+        self.started_at = time.time()
+        self.restarts = _count_start(replica)
+        self._boot: asyncio.Task | None = None
+        if settings is not None:
+            self._boot = asyncio.get_running_loop().create_task(self._start(settings))
 
-    async def start(self, settings: FrontendSettings) -> str:
+    async def start(self, settings: FrontendSettings | None = None) -> str:
+        """The URL once this front end serves (its boot failing raises here)."""
+        if self._boot is None:
+            if settings is None:
+                raise ValueError("a front end created without settings needs them in start()")
+            self.settings = settings
+            self._boot = asyncio.get_running_loop().create_task(self._start(settings))
+        return await asyncio.shield(self._boot)
+
+    async def info(self) -> dict[str, Any]:
+        """What a supervisor needs: this process's pid, its replica index, how often it was restarted, whether it
+        serves (and the error if its boot failed)."""
+        import os
+
+        error = None
+        if self._boot is not None and self._boot.done() and not self._boot.cancelled() and self._boot.exception():
+            error = f"{type(self._boot.exception()).__name__}: {self._boot.exception()}"
+        serving = bool(self.server is not None and self.server.started and self.task is not None and not self.task.done())
+        return {"pid": os.getpid(), "replica": self.replica, "restarts": self.restarts, "url": self.url,
+                "serving": serving, "started_at": self.started_at, "error": error}
+
+    async def _start(self, settings: FrontendSettings) -> str:
         import uvicorn
 
         from actors.cores import normal_priority
 
         normal_priority("HTTP front end")  # every token crosses this process: not at Ray's worker niceness
         coordinator = ray.get_actor(settings.coordinator_name, namespace=settings.namespace)
-        app, self.client = await build_frontend(settings, coordinator)
+        app, self.client = await build_frontend(settings, coordinator, replica=self.replica)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                                 lifespan="on", timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
-        self.task = asyncio.get_running_loop().create_task(self._serve(settings))
+        try:
+            sock = listening_socket(settings.host, settings.port, shared=settings.replicas > 1)
+        except OSError as e:
+            raise RuntimeError(f"the HTTP server could not listen on {settings.host}:{settings.port}: {e} (is the port "
+                               "taken?)") from None
+        self.task = asyncio.get_running_loop().create_task(self._serve(settings, sock))
         while not self.server.started:
-            if self.task.done():  # e.g. the port is taken
+            if self.task.done():
                 self.task.result()
                 raise RuntimeError(f"the HTTP server on {settings.host}:{settings.port} stopped while starting")
             await asyncio.sleep(0.05)
-        return f"http://{settings.host}:{settings.port}"
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        self.url = f"http://{host}:{settings.port}"
+        if self.restarts:
+            log.warning("HTTP front end replica %d restarted (restart %d): serving again on %s", self.replica,
+                        self.restarts, self.url)
+        return self.url
 
-    async def _serve(self, settings: FrontendSettings) -> None:
+    async def _serve(self, settings: FrontendSettings, sock: Any) -> None:
         try:
-            await self.server.serve()
-        except SystemExit:  # uvicorn exits the process when it cannot bind or start; here it is an error to report
-            raise RuntimeError(f"the HTTP server could not start on {settings.host}:{settings.port} (is the port "
-                               "taken?)") from None
+            await self.server.serve(sockets=[sock])
+        except SystemExit:  # uvicorn exits the process when it cannot start; here it is an error to report
+            raise RuntimeError(f"the HTTP server could not start on {settings.host}:{settings.port}") from None
 
     async def stop(self) -> None:
-        if self.server is not None:
+        if self._boot is not None and not self._boot.done():
+            self._boot.cancel()
+            with contextlib.suppress(BaseException):
+                await self._boot
+        if self.server is not None and self.task is not None:
             self.server.should_exit = True
             await asyncio.wait_for(asyncio.shield(self.task), 30)
         if self.client is not None:
             await self.client.health.stop()
+        _forget_starts(self.replica)
+
+
+def listening_socket(host: str, port: int, *, shared: bool) -> Any:
+    """The front end's listening socket. `shared`: SO_REUSEPORT, so that every replica of one deployment listens on
+    the same port and the kernel spreads connections over them (only processes of the same user can join). Without
+    it a second server on the port fails to bind, as it should."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _start_key(replica: int) -> bytes:
+    return f"pd-frontend-starts/{ray.get_runtime_context().get_actor_id()}/{replica}".encode()
+
+
+def _count_start(replica: int) -> int:
+    """How many times this front-end actor was restarted before this start (kept in Ray's GCS key-value store, which
+    outlives the process; 0 or 1 from Ray's own flag where that store is not reachable)."""
+    from ray.experimental import internal_kv
+
+    try:
+        key = _start_key(replica)
+        starts = int(internal_kv._internal_kv_get(key) or 0) + 1
+        internal_kv._internal_kv_put(key, str(starts).encode(), overwrite=True)
+        return starts - 1
+    except Exception:  # noqa: BLE001 - not in an actor, or no GCS: the flag only
+        try:
+            return int(ray.get_runtime_context().was_current_actor_reconstructed)
+        except Exception:  # noqa: BLE001
+            return 0
+
+
+def _forget_starts(replica: int) -> None:
+    from ray.experimental import internal_kv
+
+    with contextlib.suppress(Exception):
+        internal_kv._internal_kv_del(_start_key(replica))

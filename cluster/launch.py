@@ -45,7 +45,7 @@ class Cluster:
     timings: dict[str, float] = field(default_factory=dict)
     url: str | None = None
     pool_apps: list[str] = field(default_factory=list)  # Serve applications of the pools ("serve" mode)
-    frontend: Any = None  # the HTTP front end's actor (start_http)
+    frontends: list[Any] = field(default_factory=list)  # the HTTP front ends' actors, by replica index (start_http)
 
     def refresh_engines(self) -> dict[str, EngineClient]:
         """The engines registered with the coordinator now (pools grow and shrink): {engine id: client}."""
@@ -446,45 +446,84 @@ def frontend_settings(cluster: Cluster):
         local_prefill_when_idle=cfg.transfer.local_prefill_when_idle, routing_policy=cfg.routing.policy,
         stall_timeout_s=cfg.routing.stall_timeout_s,
         max_requests_in_flight=cfg.http.max_requests_in_flight, max_queued_requests=cfg.http.max_queued_requests,
-        max_n=cfg.http.max_n,
+        max_n=cfg.http.max_n, replicas=cfg.http.replicas,
     )
 
 
 def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:
-    """Start the HTTP front end (vLLM's OpenAI server over the cluster, `actors.frontend`) on this node at the
-    configured host/port; returns the base URL."""
+    """Start the HTTP front ends (vLLM's OpenAI server over the cluster, `actors.frontend`): `http.replicas` processes
+    on this node, all on http.host:http.port; returns the base URL. Ray restarts one that dies, on this node, and it
+    serves again by itself (`watch_frontends` says so)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors.frontend import FRONTEND_ACTOR, HTTPFrontend
+    from actors.frontend import FRONTEND_ACTOR, HTTPFrontend, listening_socket
 
+    cfg = cluster.cfg
     t0 = time.monotonic()
+    try:  # a port held by anything else (another deployment's replicas too) is refused here, not joined
+        listening_socket(cfg.http.host, cfg.http.port, shared=False).close()
+    except OSError as e:
+        raise RuntimeError(f"http.port: cannot listen on {cfg.http.host}:{cfg.http.port}: {e} (is the port taken?)") from None
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    cluster.frontend = HTTPFrontend.options(name=f"{FRONTEND_ACTOR}-{cluster.cfg.coordinator.name}",
-                                            namespace=cluster.cfg.coordinator.namespace,
-                                            scheduling_strategy=here).remote()
+    settings = frontend_settings(cluster)
+    for replica in range(cfg.http.replicas):
+        cluster.frontends.append(HTTPFrontend.options(
+            name=f"{FRONTEND_ACTOR}-{cfg.coordinator.name}-{replica}", namespace=cfg.coordinator.namespace,
+            scheduling_strategy=here).remote(settings, replica))
     try:
-        cluster.url = ray.get(cluster.frontend.start.remote(frontend_settings(cluster)), timeout=300)
+        cluster.url = ray.get([f.start.remote() for f in cluster.frontends], timeout=300)[0]
     except BaseException:
         _stop_frontend(cluster, progress)
         raise
     cluster.timings["http_s"] = time.monotonic() - t0
-    progress(f"HTTP front end (vLLM's OpenAI server over the cluster) up in {cluster.timings['http_s']:.0f} s: "
-             f"{cluster.url}")
+    n = len(cluster.frontends)
+    progress(f"HTTP front end{f's ({n} processes sharing the port)' if n > 1 else ''} (vLLM's OpenAI server over the "
+             f"cluster) up in {cluster.timings['http_s']:.0f} s: {cluster.url}")
     return cluster.url
 
 
 def _stop_frontend(cluster: Cluster, progress: Callable[[str], None]) -> None:
     import ray
 
-    if cluster.frontend is None:
-        return
-    try:
-        ray.get(cluster.frontend.stop.remote(), timeout=60)
-    except Exception as e:  # noqa: BLE001 - keep shutting the rest down
-        progress(f"could not stop the HTTP front end cleanly: {e}")
-    ray.kill(cluster.frontend, no_restart=True)
-    cluster.frontend = None
+    frontends, cluster.frontends = cluster.frontends, []
+    stops = {f: f.stop.remote() for f in frontends}
+    for frontend, ref in stops.items():
+        try:
+            ray.get(ref, timeout=60)
+        except Exception as e:  # noqa: BLE001 - keep shutting the rest down
+            progress(f"could not stop an HTTP front end cleanly: {e}")
+        ray.kill(frontend, no_restart=True)
+
+
+def watch_frontends(cluster: Cluster, stop: Any, progress: Callable[[str], None] = say,
+                    interval_s: float = 2.0) -> None:
+    """Say when a front end dies and when it serves again (Ray restarts it), until `stop` is set."""
+    import ray
+
+    known: dict[int, dict[str, Any]] = {}  # replica -> its last info
+    down_since: dict[int, float] = {}
+    while not stop.wait(interval_s):
+        for replica, frontend in enumerate(list(cluster.frontends)):
+            try:
+                info = ray.get(frontend.info.remote(), timeout=max(interval_s, 5.0))
+            except Exception as e:  # noqa: BLE001 - dead, or restarting
+                if replica not in down_since:
+                    down_since[replica] = time.monotonic()
+                    progress(f"HTTP front end {replica} is down ({type(e).__name__}); Ray is restarting it")
+                continue
+            last = known.get(replica)
+            if last is not None and info["pid"] != last["pid"] and replica not in down_since:
+                down_since[replica] = time.monotonic()  # died and came back between two looks
+                progress(f"HTTP front end {replica} died (pid {last['pid']}); Ray restarted it")
+            if info["error"] and (last is None or last["error"] != info["error"]):
+                progress(f"HTTP front end {replica} cannot serve: {info['error']}")
+            if info["serving"] and replica in down_since:
+                took = time.monotonic() - down_since.pop(replica)
+                progress(f"HTTP front end {replica} restarted (pid {last['pid'] if last else '?'} -> {info['pid']}, "
+                         f"restart {info['restarts']}): serving again at {info['url']} after {took:.0f} s")
+            if info["serving"] or last is None:
+                known[replica] = info
 
 
 def _stop_pools(cluster: Cluster, progress: Callable[[str], None], apps: list[str] | None = None) -> None:
@@ -616,6 +655,7 @@ def main(argv: list[str]) -> int:
         say("serving; Ctrl-C (or `ray job stop`) shuts everything down")
         stop_watch = threading.Event()
         threading.Thread(target=watch_pools, args=(cluster, stop_watch), daemon=True).start()
+        threading.Thread(target=watch_frontends, args=(cluster, stop_watch), daemon=True).start()
         try:
             while True:
                 time.sleep(3600)

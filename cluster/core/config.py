@@ -173,6 +173,11 @@ class HttpConfig(_Strict):
     host: str = Field("127.0.0.1", min_length=1, description="bind address; loopback unless you mean to expose it "
                       "(anything else needs an API key, or allow_unauthenticated)")
     port: int = Field(8000, ge=1, le=65535)
+    replicas: int = Field(
+        1, ge=1, le=64, description="front-end processes on the launching node, all on http.port (SO_REUSEPORT: the "
+        "kernel spreads connections over them), each with its own router. Ray restarts one that dies; the others "
+        "keep serving meanwhile, so a dying front end costs only its own requests in flight. Each takes about "
+        "0.5 GiB (vLLM's app and tokenizer) and a share of a core under load")
     api_key: str | None = Field(None, min_length=8, description="require `Authorization: Bearer <key>` on every route "
                                 "but /health when set")
     api_key_env: str | None = Field(None, min_length=1, description="read the API key from this environment variable")
