@@ -34,6 +34,7 @@ class CoordinatorActor:
         self.leftovers: dict[str, Leftovers] = {}
         self.cleaned: dict[str, list[str]] = {}
         self._cleanups: set[asyncio.Task] = set()
+        self._failure_checks: dict[str, asyncio.Future] = {}  # engine id -> its failure check running now
         self._watcher: asyncio.Task | None = None
         ctx = ray.get_runtime_context()
         self.namespace = namespace or ctx.namespace
@@ -195,7 +196,17 @@ class CoordinatorActor:
 
     async def engine_failed(self, engine_id: str) -> bool:
         """A router saw `engine_id` fail a request: check it now and, if it is dead or unhealthy, take it out of
-        every pair (returns True). A slow answer is not a death: a busy engine keeps its pairs."""
+        every pair (returns True). A slow answer is not a death: a busy engine keeps its pairs. Reports of one engine
+        that arrive while it is being checked share that check (front ends, the watcher and registrations all
+        report): a burst of them asks the engine once."""
+        checks = self._failure_checks
+        check = checks.get(engine_id)
+        if check is None:
+            check = checks[engine_id] = asyncio.ensure_future(self._check_failed(engine_id))
+            check.add_done_callback(lambda _: checks.pop(engine_id, None))
+        return await asyncio.shield(check)
+
+    async def _check_failed(self, engine_id: str) -> bool:
         engine = self.clients.get(engine_id)
         if engine is None:
             return False

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from cluster.core.prefix import EngineView
 
 ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace
+# decode-channel messages (engine steps) a front end may leave unread on a Ray stream before the engine stops sending
+# (Ray's backpressure); as many more steps waiting end its requests (`EngineActor.decode_channel`)
+CHANNEL_BACKLOG = 1000
 HEALTH_TIMEOUT_S = 10.0  # an engine slower than this to answer its health question is busy, not dead
 
 State = Literal["healthy", "starting", "failed", "dead", "unreachable", "slow"]
@@ -289,9 +292,13 @@ class EngineClient:
         return self.handle.decode.options(num_returns="streaming").remote(
             prompt_token_ids, sampling, kv_transfer_params, request_id)
 
-    def decode_channel(self, channel_id: str, address: str | None = None) -> "ObjectRefGenerator":
-        """A front end's one stream of batched decode outputs from this engine (see `EngineActor.decode_channel`)."""
-        return self.handle.decode_channel.options(num_returns="streaming").remote(channel_id, address)
+    def decode_channel(self, channel_id: str, address: str | None = None,
+                       backlog: int = CHANNEL_BACKLOG) -> "ObjectRefGenerator":
+        """A front end's one stream of batched decode outputs from this engine (see `EngineActor.decode_channel`):
+        with Ray's backpressure, at most `backlog` messages unread; a reader that leaves them so has its requests
+        ended by the engine."""
+        return self.handle.decode_channel.options(num_returns="streaming", _generator_backpressure_num_objects=backlog
+                                                  ).remote(channel_id, address, backlog)
 
     def submit_decode(self, channel_id: str, request_id: str, prompt_token_ids: list[int], params: Any,
                       kv_transfer_params: dict[str, Any] | None, continued: int = 0) -> "ObjectRef[None]":

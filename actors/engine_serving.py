@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from actors.engine_client import Prefilled
+from actors.engine_client import CHANNEL_BACKLOG, Prefilled
 from actors.engine_prefix import EnginePrefixes
 from cluster.core.metrics import TransferTotals
 from cluster.core.verify import TRANSFER_VERIFY_FAILED
@@ -38,16 +38,25 @@ class DecodeError:
 
 
 class _Outbox:
-    """One decode channel's pending outputs; `take` waits for at least one and returns all."""
+    """One decode channel's pending outputs; `take` waits for at least one and returns all. Past `limit` engine
+    steps' worth of outputs waiting (`limit` x the requests on the channel) - the channel's reader stopped reading and
+    its stream is held back by Ray's backpressure - it overflows: every request on it is cancelled (aborted in the
+    engine, its blocks freed) rather than kept decoding into memory for nobody."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self.items: list[tuple[str, Any]] = []
         self.ready = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
+        self.limit = limit
+        self.overflowed = False
 
     def put(self, item: tuple[str, Any]) -> None:
         self.items.append(item)
         self.ready.set()
+        if self.limit is not None and not self.overflowed and len(self.items) > self.limit * max(1, len(self.tasks)):
+            self.overflowed = True
+            for task in list(self.tasks):
+                task.cancel()
 
     async def take(self) -> list[tuple[str, Any]]:
         await self.ready.wait()
@@ -184,17 +193,20 @@ class ServingMixin:
             self._decodes -= 1
             self._verify_expected.discard(verified)
 
-    async def decode_channel(self, channel_id: str, address: str | None = None):
+    async def decode_channel(self, channel_id: str, address: str | None = None, backlog: int = CHANNEL_BACKLOG):
         """A front end's one stream of decode outputs from this engine (call with num_returns="streaming"): each
         message is a batch [(request id, vLLM RequestOutput | DecodeError)] of everything produced for that front
         end's requests since the last one - typically one engine step for all of them, so a message is paid once per
         step, not once per token and request. With `address` (a ZeroMQ ipc:// address the front end bound on this
         node) the messages go there, pickled, and the stream yields only its opening item, staying open as the
         channel's lifeline; without, they are the stream's items. Requests join with `submit_decode`. When the
-        channel ends here (the engine stops, Ray cancels the stream, or the front end stops reading the socket), its
-        requests still running are aborted; the front end aborts the requests it gives up on one by one (`abort`)."""
+        channel ends here (the engine stops, Ray cancels the stream, or the front end stops reading), its requests
+        still running are aborted; the front end aborts the requests it gives up on one by one (`abort`). A front end
+        that stops reading: on the socket, SOCKET_BACKLOG messages unread; on the Ray stream (called with Ray's
+        `_generator_backpressure_num_objects` = `backlog`, as `EngineClient.decode_channel` does), `backlog` messages
+        unread hold the stream back, and `backlog` more steps' outputs waiting end it (`_Outbox`)."""
         self._require_engine()
-        channel = self._channels[channel_id] = _Outbox()
+        channel = self._channels[channel_id] = _Outbox(limit=None if address is not None else backlog)
         sock = None
         try:
             if address is not None:
@@ -203,6 +215,10 @@ class ServingMixin:
             yield []  # open: requests may be submitted from now on
             while True:
                 items = await channel.take()
+                if channel.overflowed:
+                    log.warning("decode channel %s: the front end stopped reading its stream; ended its requests",
+                                channel_id)
+                    return
                 if sock is None:
                     yield items
                     continue

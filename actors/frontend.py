@@ -52,6 +52,7 @@ VLLM_ROUTES = {
 }
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")  # admission control and the cap on n apply to these
 OPEN_ROUTES = ("/health",)  # the only route that never needs the API key (liveness probes)
+DEPARTED = "(departed) "  # `_cluster_state`'s key prefix for the summed totals of engines that left, per role
 HEALTH_REFRESH_S = 1.0  # /health's snapshot is at most this old while the coordinator answers
 QUEUE_READ_AHEAD_BYTES = 1 << 16  # of a waiting request's body, read to hear its client leave (`_Admission`)
 _HTTP_DEFAULTS = HttpConfig()  # FrontendSettings' defaults are the deploy schema's
@@ -775,10 +776,15 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
     for engine_id, got in zip(roles, await asyncio.gather(*(one(e) for e in roles), return_exceptions=True)):
         if isinstance(got, tuple):
             seen[engine_id] = got
+    for engine_id in [e for e in seen if e not in roles and not e.startswith(DEPARTED)]:
+        # an engine that left: its last totals fold into its role's departed sum (the map stays as big as the pools)
+        role, engine_totals = seen.pop(engine_id)
+        _, departed = seen.get(DEPARTED + role, (role, TransferTotals()))
+        seen[DEPARTED + role] = (role, departed + engine_totals)
     totals = TransferTotals()
     per_role = ("cached_prompt_tokens", "computed_prompt_tokens", "predicted_prompt_tokens", "mispredicted")
     by_role: dict[str, dict[str, int]] = {key: {"prefill": 0, "decode": 0} for key in per_role}
-    for role, engine_totals in seen.values():  # counters never go down: engines that left keep their last totals
+    for role, engine_totals in seen.values():  # counters never go down: engines that left count in DEPARTED sums
         totals += engine_totals
         for key in per_role:
             by_role[key][role] += getattr(engine_totals, key)

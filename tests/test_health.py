@@ -532,3 +532,46 @@ def test_without_a_key_every_route_is_open():
             return [await c.get(p) for p in ("/v1/models", "/docs", "/openapi.json", "/metrics")]
 
     assert [r.status_code for r in asyncio.run(go())] == [200] * 4
+
+
+def test_metrics_state_keeps_the_totals_of_engines_that_left_without_keeping_them():
+    """/metrics' counters never go down when an engine leaves, and the front end's map of engines' last totals stays
+    as big as the pools: engines that left fold into one sum per role."""
+    from types import SimpleNamespace
+
+    from actors.frontend import DEPARTED, _cluster_state
+    from cluster.core.metrics import TransferTotals
+
+    live: dict[str, str] = {}
+
+    class Coordinator:
+        describe = SimpleNamespace(remote=lambda: _done({"engines": {e: {"role": r, "state": "ready"}
+                                                                     for e, r in live.items()}}))
+
+    class Engine:
+        def __init__(self, n: int):
+            self.n = n
+
+        async def transfer_totals(self):
+            return TransferTotals(bytes=self.n, computed_prompt_tokens=self.n)
+
+    async def engine(engine_id, role):
+        return Engine(int(engine_id.split("-")[1]) * 100)
+
+    router = SimpleNamespace(engine=engine, retried=0, decisions={}, views=0, view_seconds=0.0, view_failures=0,
+                             colocated={}, degraded=None, failed_over=0, first_from_prefill=0, stale_routed=0,
+                             local_prefill=0)
+    seen: dict = {}
+    totals = []
+    for step in range(50):  # an autoscaled decode pool: engine decode-<step> replaces decode-<step - 1>
+        live.clear()
+        live.update({"prefill-0": "prefill", f"decode-{step + 1}": "decode"})
+        state = asyncio.run(_cluster_state(Coordinator(), router, seen))
+        totals.append(state["transfers"].bytes)
+    assert totals == sorted(totals) and totals[-1] == sum(100 * (i + 1) for i in range(50))
+    assert state["computed_prompt_tokens"]["decode"] == totals[-1]
+    assert len(seen) <= 4 and DEPARTED + "decode" in seen
+
+
+async def _done(value):
+    return value

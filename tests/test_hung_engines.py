@@ -135,3 +135,35 @@ async def _one(router: Router, prompt: list[int], n: int) -> list[int]:
 
 async def _verdict(engine):
     return await engine.verdict()
+
+
+def test_a_reader_that_stops_reading_its_ray_stream_ends_its_requests(cl):
+    """The cross-node output path (a Ray stream) is bounded: a front end that stops reading (wedged, or its host
+    gone quiet) holds the engine's stream back after `backlog` messages, and its requests are ended, not decoded on
+    into memory for nobody. Without the bound the request runs to its last token."""
+    from vllm import SamplingParams
+
+    _, engines = cl
+    engine = engines["prefill-b"]  # any engine decodes a request it runs whole; this one no other test stops
+    n = 1500
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    prompt = prompts(seed=33, lengths=(64,))[0]
+
+    async def run() -> tuple[list, float]:
+        stream = engine.decode_channel("stalled-reader", None, backlog=2)
+        await (await stream.__anext__())  # the opening: requests may be submitted
+        await engine.submit_decode("stalled-reader", "never-read", prompt, params, None)
+        t0 = time.monotonic()
+        while (await engine.load()).running_requests and time.monotonic() - t0 < 60:  # nobody reads meanwhile
+            await asyncio.sleep(0.2)
+        ended_after = time.monotonic() - t0
+        items = []
+        async for ref in stream:  # what was held back, then the stream's end
+            items += await ref
+        return items, ended_after
+
+    items, ended_after = asyncio.run(run())
+    tokens = sum(len(out.outputs[0].token_ids) for _, out in items if hasattr(out, "outputs"))
+    print(f"request ended {ended_after:.1f} s into an unread stream, after {tokens} tokens; {len(items)} items read")
+    assert tokens < n, "the request decoded to its end into an unread stream"
+    assert ended_after < 30

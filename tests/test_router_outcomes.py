@@ -209,3 +209,30 @@ def test_engines_that_left_the_routes_are_forgotten():
 
     assert [o["token_ids"] for o in asyncio.run(run())] == [[4]]
     assert "d" not in router._engines and "d" not in router._channels and "p" in router._engines
+
+
+def test_the_coordinator_checks_a_burst_of_reports_of_one_engine_once():
+    """Reports of one engine arriving while it is being checked share that check: 50 at once ask the engine's
+    health once, not 50 times (each a slot of the coordinator's 64 and a call to a possibly dead engine)."""
+    from actors.coordinator import CoordinatorActor
+    from actors.engine_client import Verdict
+
+    cls = CoordinatorActor.__ray_actor_class__
+    coordinator = cls.__new__(cls)  # its state only: no Ray actor, no runtime context
+    coordinator.clients, coordinator._failure_checks = {}, {}
+    asked = []
+
+    class Busy:
+        async def verdict(self):
+            asked.append(1)
+            await asyncio.sleep(0.2)
+            return Verdict("healthy", "answering")
+
+    coordinator.clients["decode-0"] = Busy()
+
+    async def burst():
+        return await asyncio.gather(*(coordinator.engine_failed("decode-0") for _ in range(50)))
+
+    assert asyncio.run(burst()) == [False] * 50
+    assert len(asked) == 1
+    assert asyncio.run(coordinator.engine_failed("decode-0")) is False and len(asked) == 2  # a later report asks again
