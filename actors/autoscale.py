@@ -174,11 +174,11 @@ class PoolPolicy:
         if self.coordinator is None:
             return
         try:
-            import ray
+            from actors.coordinator_client import CoordinatorClient
 
             if self._handle is None:
-                self._handle = ray.get_actor(self.coordinator, namespace=self.namespace)
-            getattr(self._handle, method).remote(*args)
+                self._handle = CoordinatorClient.named(self.coordinator, self.namespace)
+            getattr(self._handle, method)(*args)
         except Exception as e:  # noqa: BLE001 - metrics must never break scaling
             self._handle = None
             log.warning("autoscaling policy of the %s pool could not reach the coordinator: %s", self.role, e)

@@ -363,3 +363,10 @@ class EngineClient:
     def corrupt_next_read(self, specs_by_rank: list[list[dict[str, Any]]], seed: int = 0) -> "ObjectRef[None]":
         """Test hook: overwrite byte ranges of the next read on each rank with noise before its request runs."""
         return self.handle.corrupt_next_read.remote(specs_by_rank, seed)
+
+
+def error_text(e: BaseException) -> str:
+    """An error in one line for logs and messages: the type and text of what a Ray error wraps (its `cause`), or of
+    the error itself; at most 500 characters."""
+    cause = getattr(e, "cause", None) or e
+    return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]

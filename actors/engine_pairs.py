@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from actors.coordinator_client import CoordinatorClient
 from actors.engine_client import EngineClient, Registration
 from cluster.core.hf_config import load_config
 from cluster.core.metrics import TransferTotals
@@ -53,9 +54,9 @@ class PairsMixin:
     async def register(self, coordinator: Any, registration: Registration | None = None) -> dict[str, Any]:
         """Register with the coordinator (which pushes negotiated plans to decode engines). `registration` lets a
         caller pass an edited registration (tests of what the coordinator does with wrong values)."""
-        self._coordinator = coordinator  # transfer.verify asks it for prefill engines' clients
+        self._coordinator = CoordinatorClient.of(coordinator)  # transfer.verify asks it for prefill engines' clients
         me = EngineClient(self._self_handle(), self.engine_id)
-        return await coordinator.register.remote(registration or await self.registration(), me)
+        return await self._coordinator.register(registration or await self.registration(), me)
 
     async def install_pair(self, prefill_engine_id: str, payload: str) -> list[list[int]]:
         """Give every decode worker the negotiated plan for one prefill engine."""

@@ -6,73 +6,24 @@ prompt's state from a prefill engine, and the decode channels that batch a front
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import pickle
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import zmq
-
+from actors.decode_channel import DecodeError, Outbox, send_outputs
 from actors.engine_client import CHANNEL_BACKLOG, Prefilled
 from actors.engine_prefix import EnginePrefixes
 from cluster.core.metrics import TransferTotals
 from cluster.core.verify import TRANSFER_VERIFY_FAILED
 from cluster.core.wire import FIRST_TOKEN
 
-SOCKET_BACKLOG = 10_000  # decode-channel messages a front end may leave unread before its channel is ended
 log = logging.getLogger("pd.engine")
 
 
 def _ranked(step: dict[int, Any]) -> list[tuple[int, float]]:
     """One position's logprobs as (token id, logprob) pairs, best first."""
     return sorted(((tok, lp.logprob) for tok, lp in step.items()), key=lambda x: -x[1])
-
-
-@dataclass(frozen=True)
-class DecodeError:
-    """A decode request that failed inside the engine (as a channel item): the exception's type name and message."""
-
-    kind: str
-    message: str
-
-
-class _Outbox:
-    """One decode channel's pending outputs; `take` waits for at least one and returns all. Past `limit` engine
-    steps' worth of outputs waiting (`limit` x the requests on the channel) - the channel's reader stopped reading and
-    its stream is held back by Ray's backpressure - it overflows: every request on it is cancelled (aborted in the
-    engine, its blocks freed) rather than kept decoding into memory for nobody."""
-
-    def __init__(self, limit: int | None = None) -> None:
-        self.items: list[tuple[str, Any]] = []
-        self.ready = asyncio.Event()
-        self.tasks: set[asyncio.Task] = set()
-        self.limit = limit
-        self.overflowed = False
-
-    def put(self, item: tuple[str, Any]) -> None:
-        self.items.append(item)
-        self.ready.set()
-        if self.limit is not None and not self.overflowed and len(self.items) > self.limit * max(1, len(self.tasks)):
-            self.overflowed = True
-            for task in list(self.tasks):
-                task.cancel()
-
-    async def take(self) -> list[tuple[str, Any]]:
-        await self.ready.wait()
-        await asyncio.sleep(0)  # let the other requests of this engine step add theirs
-        items, self.items = self.items, []
-        self.ready.clear()
-        return items
-
-
-def _push_socket(address: str) -> "zmq.Socket":
-    """The engine's end of a decode channel's local socket (sends never block: see SOCKET_BACKLOG)."""
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, SOCKET_BACKLOG)
-    sock.connect(address)
-    return sock
 
 
 class ServingMixin:
@@ -85,7 +36,7 @@ class ServingMixin:
     prefixes: EnginePrefixes
 
     def _init_serving(self) -> None:
-        self._channels: dict[str, _Outbox] = {}  # open decode channels (one per front end)
+        self._channels: dict[str, Outbox] = {}  # open decode channels (one per front end)
         self._queued_tokens = 0  # prompt tokens of prefills here past their predicted hits (every front end's)
 
     async def prefill(self, prompt_token_ids: list[int], request_id: str, prompt_logprobs: int | None = None,
@@ -204,36 +155,16 @@ class ServingMixin:
         still running are aborted; the front end aborts the requests it gives up on one by one (`abort`). A front end
         that stops reading: on the socket, SOCKET_BACKLOG messages unread; on the Ray stream (called with Ray's
         `_generator_backpressure_num_objects` = `backlog`, as `EngineClient.decode_channel` does), `backlog` messages
-        unread hold the stream back, and `backlog` more steps' outputs waiting end it (`_Outbox`)."""
+        unread hold the stream back, and `backlog` more steps' outputs waiting end it (`Outbox`)."""
         self._require_engine()
-        channel = self._channels[channel_id] = _Outbox(limit=None if address is not None else backlog)
-        sock = None
+        channel = self._channels[channel_id] = Outbox(limit=None if address is not None else backlog)
         try:
-            if address is not None:
-                sock = _push_socket(address)
-                sock.send(pickle.dumps([]), zmq.NOBLOCK)  # hello: the front end opens the channel once it arrives
-            yield []  # open: requests may be submitted from now on
-            while True:
-                items = await channel.take()
-                if channel.overflowed:
-                    log.warning("decode channel %s: the front end stopped reading its stream; ended its requests",
-                                channel_id)
-                    return
-                if sock is None:
+            async with contextlib.aclosing(send_outputs(channel, channel_id, address)) as outputs:
+                async for items in outputs:
                     yield items
-                    continue
-                try:
-                    sock.send(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
-                except zmq.Again:  # SOCKET_BACKLOG messages unread: the front end is gone or wedged
-                    log.warning("decode channel %s: the front end stopped reading; ending its requests", channel_id)
-                    return
         finally:
             if self._channels.get(channel_id) is channel:
                 del self._channels[channel_id]
-            for task in list(channel.tasks):
-                task.cancel()  # their generate() aborts the request in the engine
-            if sock is not None:
-                sock.close(linger=0)
 
     async def submit_decode(self, channel_id: str, request_id: str, prompt_token_ids: list[int], params: Any,
                             kv_transfer_params: dict[str, Any] | None, continued: int = 0) -> None:
@@ -267,7 +198,7 @@ class ServingMixin:
     def _pump_done(self, _: asyncio.Task) -> None:  # also when cancelled before it ran
         self._decodes -= 1
 
-    async def _pump(self, channel: "_Outbox", request_id: str, prompt_token_ids: list[int], params: Any,
+    async def _pump(self, channel: "Outbox", request_id: str, prompt_token_ids: list[int], params: Any,
                     verified: str | None = None, continued: int = 0, colocated: bool = False) -> None:
         """Run one request, putting its outputs on its channel. `verified`: the prefill-side id of a request under
         transfer.verify; if its check failed, its error output becomes a DecodeError saying so. `colocated`: the

@@ -169,7 +169,7 @@ class VerifyMixin:
         if prefill is None:
             if self._coordinator is None:
                 raise RuntimeError("this engine has not registered with a coordinator")
-            prefill = await asyncio.wait_for(self._coordinator.client.remote(prefill_id), 10)
+            prefill = await asyncio.wait_for(self._coordinator.client(prefill_id), 10)
             if prefill is None:
                 raise RuntimeError(f"prefill engine {prefill_id} has left")
             self._prefill_clients[prefill_id] = prefill

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter, Gauge
 from pydantic import TypeAdapter, ValidationError
 
+from actors.coordinator_client import CoordinatorClient
 from actors.router import EngineFailure, NoCapacity, Router
 from cluster.core.config import HttpConfig
 from cluster.core.metrics import ServiceMetrics, TransferTotals
@@ -734,9 +735,10 @@ async def health_report(coordinator: Any, router: Router, model_name: str, timeo
     the coordinator restarts, it can fail the first question and answer the router's: what requests are routed on
     decides, so /health never says 503 while they are served."""
     try:
-        ready = {role: await asyncio.wait_for(coordinator.ready.remote(role), timeout_s)
+        coordinator = CoordinatorClient.of(coordinator)
+        ready = {role: await asyncio.wait_for(coordinator.ready(role), timeout_s)
                  for role in ("prefill", "decode")}
-        routes = await asyncio.wait_for(coordinator.routes.remote(), timeout_s)
+        routes = await asyncio.wait_for(coordinator.routes(), timeout_s)
     except Exception as e:  # noqa: BLE001 - coordinator down or slow: unavailable, not an error page
         try:  # what requests are routed on now: the coordinator's answer, or its last routes while it restarts
             routes = await router.routes()
@@ -760,7 +762,7 @@ async def health_report(coordinator: Any, router: Router, model_name: str, timeo
 async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple[str, TransferTotals]]) -> dict[str, Any]:
     """Pool sizes, autoscaling decisions and signals from the coordinator, and running totals from the engines
     (bounded by a timeout): the decode engines' transfers, every engine's prompt tokens found in its prefix cache."""
-    desc = await asyncio.wait_for(coordinator.describe.remote(), 5)
+    desc = await asyncio.wait_for(CoordinatorClient.of(coordinator).describe(), 5)
     pools: dict[tuple[str, str], int] = {}
     for e in desc["engines"].values():
         pools[(e["role"], e["state"])] = pools.get((e["role"], e["state"]), 0) + 1
@@ -846,7 +848,7 @@ class HTTPFrontend:
         from actors.cores import normal_priority
 
         normal_priority("HTTP front end")  # every token crosses this process: not at Ray's worker niceness
-        coordinator = ray.get_actor(settings.coordinator_name, namespace=settings.namespace)
+        coordinator = CoordinatorClient.named(settings.coordinator_name, settings.namespace)
         app, self.client = await build_frontend(settings, coordinator, replica=self.replica)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                                 lifespan="on", timeout_keep_alive=30)

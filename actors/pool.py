@@ -27,6 +27,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from actors.coordinator_client import CoordinatorClient
 from actors.cores import wait_for_cores
 from actors.engine import EngineSpec, stop_engine_actors
 from actors.engine_client import EngineClient
@@ -61,8 +62,8 @@ class PoolReplica:
         self.engine: EngineClient | None = None
         self.leaving = False  # set by __del__, which Serve may call while this constructor still awaits
         t0 = time.time()
-        self.coordinator = ray.get_actor(spec.coordinator, namespace=spec.namespace)
-        self.engine_id = await self.coordinator.claim_engine_id.remote(self.role)
+        self.coordinator = CoordinatorClient.named(spec.coordinator, spec.namespace)
+        self.engine_id = await self.coordinator.claim_engine_id(self.role)
         need = spec.engine.device_options.get("own_cores", 0)
         if need:  # cores as devices: a clear refusal, not an engine actor waiting for free CPUs forever
             await asyncio.to_thread(wait_for_cores, need, spec.labels, f"{self.role} pool ({self.engine_id})")
@@ -90,7 +91,7 @@ class PoolReplica:
             "phases": {"actor_start_s": t_actor - t0, "engine_load_s": t_loaded - t_actor,
                        "registration_s": t_registered - t_loaded},
         }
-        self.coordinator.record_join.remote(self.joined)
+        self.coordinator.record_join(self.joined)
         log.info("engine %s joined the %s pool in %.1f s", self.engine_id, self.role, self.joined["total_s"])
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -118,7 +119,7 @@ class PoolReplica:
         t0 = time.time()
         info: dict[str, Any] = {"engine_id": self.engine_id, "role": self.role, "started": t0}
         try:
-            await asyncio.wait_for(self.coordinator.drain.remote(self.engine_id), 10)
+            await asyncio.wait_for(self.coordinator.drain(self.engine_id), 10)
         except Exception as e:  # noqa: BLE001 - a restarting coordinator: the engine refuses new requests anyway
             log.warning("drain %s: coordinator unreachable: %s", self.engine_id, e)
         try:
@@ -129,7 +130,7 @@ class PoolReplica:
             info["engine_error"] = f"{type(e).__name__}: {e}"[:300]
         info["drain_s"] = time.time() - t0
         try:
-            await asyncio.wait_for(self.coordinator.deregister.remote(self.engine_id), 10)
+            await asyncio.wait_for(self.coordinator.deregister(self.engine_id), 10)
         except Exception as e:  # noqa: BLE001 - its health watcher removes a dead engine
             log.warning("deregister %s: %s", self.engine_id, e)
         t1 = time.time()
@@ -140,7 +141,7 @@ class PoolReplica:
         info["stop_s"] = time.time() - t1
         log.info("engine %s left the %s pool: %s", self.engine_id, self.role, info)
         try:
-            await asyncio.wait_for(self.coordinator.record_leave.remote(info), 5)
+            await asyncio.wait_for(self.coordinator.record_leave(info), 5)
         except Exception:  # noqa: BLE001 - bookkeeping only
             pass
 

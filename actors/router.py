@@ -10,8 +10,8 @@
   2. its transfer parameters (block ids per cache group, engine id, token count) go to a decode engine that the
      coordinator has approved for that prefill engine; the decode engine's connector pulls the state with NIXL using
      the negotiated pair plan and decodes;
-  3. tokens stream back over one channel per (front end, decode engine) - `DecodeChannel` - each of whose messages
-     carries every output the engine produced for that front end since the last one (typically one engine step for
+  3. tokens stream back over one channel per (front end, decode engine) - `actors.decode_channel` - each of whose
+     messages carries every output the engine produced for that front end since the last one (typically one engine step for
      all its requests). When both run on one node the messages go over a ZeroMQ socket on a Unix path private to
      the front end (no Ray object per step); the Ray stream of the same channel stays open as its lifeline - it
      breaks when the engine dies - and carries the messages themselves across nodes. A failure
@@ -30,22 +30,20 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
 import collections
 import contextlib
 import dataclasses
 import itertools
 import logging
-import os
-import pickle
-import shutil
-import tempfile
 import time
 import uuid
 from collections import Counter
 from typing import Any, AsyncIterator
 
-from actors.engine_client import EngineClient, Prefilled
+from actors.coordinator_client import CoordinatorClient
+from actors.decode_channel import STALL_S, DecodeChannel, DecodeError
+from actors.engine_client import EngineClient, Prefilled, error_text
+from actors.failover import FAILOVERS, continuation_params, continuation_refused, first_token_refused, is_delta
 from cluster.core.prefix import EngineView, choose_decode, choose_prefill, prefill_cost
 from cluster.core.verify import TRANSFER_VERIFY_FAILED
 
@@ -55,10 +53,7 @@ COORDINATOR_TIMEOUT_S = 10.0
 # answer costs every request this long; a wrong stale route costs a retry on another pair
 ROUTES_FALLBACK_AFTER_S = 1.0
 ROUTES_STALE_S = 300.0  # ... for at most this long after the last answer; then requests get 503
-FAILOVERS = 2  # a streaming request continues on another pair at most this often
 PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
-HELLO_TIMEOUT_S = 10.0  # a decode engine must reach a new channel's local socket within this
-STALL_S = 10.0  # a decode stream (or a prefill) silent this long has its engine's health asked; a hung one fails over
 VIEW_TIMEOUT_S = 0.5  # an engine's `resumable` answer later than this: routed as if it held nothing
 
 
@@ -86,7 +81,7 @@ class EngineFailure(RuntimeError):
     caller (then the request cannot be retried transparently)."""
 
     def __init__(self, phase: str, engine_id: str, cause: BaseException | str, streamed: bool = False):
-        super().__init__(f"{phase} failed on engine {engine_id}: {_cause(cause) if isinstance(cause, BaseException) else cause}")
+        super().__init__(f"{phase} failed on engine {engine_id}: {error_text(cause) if isinstance(cause, BaseException) else cause}")
         self.phase, self.engine_id, self.streamed = phase, engine_id, streamed
         self.engine_died = isinstance(cause, BaseException) and _is_actor_death(cause)
 
@@ -127,7 +122,7 @@ class Router:
             raise ValueError(f"decode_transport must be one of {TRANSPORTS}, not {decode_transport!r}")
         if local_prefill_queue is not None and local_prefill_queue < 0:
             raise ValueError(f"local_prefill_queue must be >= 0 or None, not {local_prefill_queue!r}")
-        self.coordinator = coordinator
+        self.coordinator = CoordinatorClient.of(coordinator)
         self.policy = policy
         self.stall_s = stall_s
         self.decode_transport = decode_transport
@@ -170,10 +165,10 @@ class Router:
             routes = await self._ask("routes")
         else:
             try:
-                routes = await asyncio.wait_for(self.coordinator.routes.remote(), ROUTES_FALLBACK_AFTER_S)
+                routes = await asyncio.wait_for(self.coordinator.routes(), ROUTES_FALLBACK_AFTER_S)
             except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - RayActorError, ActorUnavailableError, ...
                 if not self.coordinator_unreachable:
-                    log.warning("the coordinator does not answer (%s): serving on its last routes", _cause(e))
+                    log.warning("the coordinator does not answer (%s): serving on its last routes", error_text(e))
                 self.coordinator_unreachable = True
                 return self._routes[1]
         if self.coordinator_unreachable:
@@ -190,9 +185,9 @@ class Router:
     async def _ask(self, method: str, *args: Any) -> Any:
         """A coordinator call with a deadline; failures become CoordinatorUnavailable (a 503, not a 500)."""
         try:
-            return await asyncio.wait_for(getattr(self.coordinator, method).remote(*args), COORDINATOR_TIMEOUT_S)
+            return await asyncio.wait_for(getattr(self.coordinator, method)(*args), COORDINATOR_TIMEOUT_S)
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - RayActorError, ActorUnavailableError, ...
-            raise CoordinatorUnavailable(f"{method}: {_cause(e)}") from None
+            raise CoordinatorUnavailable(f"{method}: {error_text(e)}") from None
 
     async def engine(self, engine_id: str, phase: str = "decode") -> EngineClient:
         """The client of a registered engine (asked of the coordinator once, then kept until the engine fails a
@@ -264,7 +259,7 @@ class Router:
                     async for out in outs:
                         if original is not None:  # a continuation: to the caller it is the same request
                             out.prompt_token_ids, out.prompt_logprobs = original, None
-                        if _is_delta(params) and out.outputs:
+                        if is_delta(params) and out.outputs:
                             sent += list(out.outputs[0].token_ids)
                         yield out
                 return
@@ -306,7 +301,7 @@ class Router:
             return
         self._reporting.add(engine_id)
         try:
-            await asyncio.wait_for(_awaitable(self.coordinator.engine_failed.remote(engine_id)),
+            await asyncio.wait_for(_awaitable(self.coordinator.engine_failed(engine_id)),
                                    2 * COORDINATOR_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the coordinator's own health checks remain
             log.warning("could not report %s to the coordinator: %s", engine_id, e)
@@ -524,7 +519,7 @@ class Router:
                 return await asyncio.wait_for(ask(engine_id), VIEW_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - slow, gone, or failing: routed on load; its requests tell
                 self.view_failures += 1
-                log.debug("engine %s did not say what it holds: %s", engine_id, _cause(e))
+                log.debug("engine %s did not say what it holds: %s", engine_id, error_text(e))
                 return EngineView(engine_id)
 
         return dict(zip(engine_ids, await asyncio.gather(*(one(e) for e in engine_ids))))
@@ -573,7 +568,7 @@ class Router:
         inbox = None
         try:
             channel = await self._channel(d_id, decode)
-            inbox = channel.join(rid, delta=_is_delta(params))
+            inbox = channel.join(rid, delta=is_delta(params))
             try:
                 await decode.submit_decode(channel.id, rid, prompt_token_ids, params, kv_params, continued)
             except Exception as e:
@@ -582,9 +577,9 @@ class Router:
                 out = await inbox.get()
                 if isinstance(out, BaseException):  # the channel broke: the engine died or left
                     raise EngineFailure("decode", d_id, out, streamed=streamed)
-                if not hasattr(out, "outputs") and out.kind == TRANSFER_VERIFY_FAILED:  # before any token exists
+                if isinstance(out, DecodeError) and out.kind == TRANSFER_VERIFY_FAILED:  # before any token exists
                     raise EngineFailure("verify", p_id, f"transfer verify: {out.message}")
-                if not hasattr(out, "outputs"):  # a DecodeError: the request failed inside the engine
+                if isinstance(out, DecodeError):  # the request failed inside the engine
                     raise EngineFailure("decode", d_id, f"{out.kind}: {out.message}", streamed=streamed)
                 reason = out.outputs[0].finish_reason if out.outputs else None
                 if reason == "error" and (prefilled is None or streamed):  # not a state read: this engine failed it
@@ -644,286 +639,3 @@ class Router:
         except Exception:  # noqa: BLE001 - cancelled (the usual case) or failed: nothing is held
             return
         await self._release_prefill(prefill, prefilled)
-
-
-class _Inbox:
-    """One request's outputs as they arrive from its decode channel. Deltas that pile up while the consumer is busy
-    are merged into one output (vLLM's own `RequestOutput.add`), so a slow client costs a merge, not a backlog."""
-
-    def __init__(self, channel: "DecodeChannel", request_id: str, delta: bool):
-        self.channel, self.request_id, self.delta = channel, request_id, delta
-        self.items: collections.deque = collections.deque()
-        self.ready = asyncio.Event()
-
-    def put(self, out: Any) -> None:
-        last = self.items[-1] if self.items else None
-        if self.delta and hasattr(last, "outputs") and hasattr(out, "outputs"):
-            last.add(out, aggregate=True)
-        else:
-            self.items.append(out)
-        self.ready.set()
-
-    async def get(self) -> Any:
-        while not self.items:
-            self.ready.clear()
-            await self.ready.wait()
-        return self.items.popleft()
-
-    def leave(self) -> None:
-        self.channel.inboxes.pop(self.request_id, None)
-
-
-def continuation_refused(params: Any) -> str | None:
-    """Why a request that already streamed tokens cannot continue on another pair (None: it can). Continuing
-    prefills the prompt plus the tokens sent and decodes on: exact for greedy sampling; a seeded request continues
-    from `seed + tokens sent` (deterministic, but not the tokens the first engine would have drawn); unseeded sampling
-    keeps its distribution. Refused where the continuation would be another request: presence/frequency penalties
-    (they count only generated tokens, and the sent ones become prompt), structured output (its grammar state would
-    restart), stop strings (the engine holds back the text that may begin one: it died with the engine), and outputs
-    that are not deltas."""
-    if not _is_delta(params):
-        return "its outputs are not deltas"
-    if params.presence_penalty or params.frequency_penalty:
-        return "presence/frequency penalties would count the tokens already sent as prompt"
-    if getattr(params, "structured_outputs", None) is not None:
-        return "structured output would restart its grammar"
-    if params.stop:
-        return "stop strings: the engine holds back text that might start one, and that text died with it"
-    return None
-
-
-def first_token_refused(params: Any) -> str | None:
-    """Why the prefill engine cannot sample a request's first token (None: it can). The decode engine continues
-    from prompt + that token with `continuation_params`, so what a continuation refuses is refused here too
-    (`continuation_refused`); beyond that, a seeded random request (its generator would restart on the decode engine,
-    and vLLM's own server draws every token from one) and bad words (a banned sequence could start in the first
-    token, which the decode engine sees as prompt)."""
-    why = continuation_refused(params)
-    if why is not None:
-        return why
-    from vllm.sampling_params import SamplingType
-
-    if params.sampling_type == SamplingType.RANDOM_SEED:
-        return "seeded sampling draws every token from one generator"
-    if params.bad_words:
-        return "bad words could span the first token"
-    return None
-
-
-def continuation_params(params: Any, sent: int) -> Any:
-    """The sampling parameters of a request's continuation after `sent` tokens (see `continuation_refused`)."""
-    p = params.clone()
-    p.max_tokens = max(1, params.max_tokens - sent) if params.max_tokens is not None else None
-    p.min_tokens = max(0, (params.min_tokens or 0) - sent)
-    if params.seed is not None:
-        p.seed = params.seed + sent
-    p.prompt_logprobs = None  # the first output already carried them
-    p.truncate_prompt_tokens = None
-    return p
-
-
-def _is_delta(params: Any) -> bool:
-    from vllm.sampling_params import RequestOutputKind
-
-    return params.output_kind == RequestOutputKind.DELTA
-
-
-class DecodeChannel:
-    """This front end's one stream of outputs from one decode engine (`EngineActor.decode_channel`): each message
-    carries everything the engine produced for our requests since the last one, and is handed out to the requests'
-    inboxes. With `local` and the engine on this node, the messages arrive on a ZeroMQ PULL socket bound in this
-    process's private directory (the engine says hello on it first: an empty batch) and the Ray stream carries only
-    its opening; otherwise they are the Ray stream's items. Either way, when the Ray stream breaks (the engine died
-    or left) every request on the channel fails."""
-
-    def __init__(self, engine_id: str, engine: EngineClient, local: bool = False, stall_s: float = STALL_S):
-        self.engine_id, self.engine, self.stall_s = engine_id, engine, stall_s
-        self.last_message = time.monotonic()  # when the engine last sent anything on the channel
-        self._joined = self.last_message  # when the channel last went from no request waiting to one
-        self.id = f"{engine_id}/{uuid.uuid4().hex[:12]}"
-        self.inboxes: dict[str, _Inbox] = {}
-        self.closed = False
-        self.unreachable = False  # the engine never said hello on the local socket
-        self.error: BaseException = RuntimeError(f"the decode stream from {engine_id} ended")
-        self.loop = asyncio.get_running_loop()
-        self.transport = "ray"  # "zmq" once the local socket is bound
-        self.received = {"ray": 0, "zmq": 0}  # messages received by way of each (openings included)
-        self._local = local
-        self._hello = asyncio.Event()
-        self._open = self.loop.create_future()
-        self._reader = asyncio.ensure_future(self._read())
-        self._watch = asyncio.ensure_future(self._watchdog())
-
-    async def opened(self) -> None:
-        await asyncio.shield(self._open)
-
-    async def _watchdog(self) -> None:
-        """A hung engine sends nothing and its Ray stream stays open: while requests wait on the channel and nothing
-        has come for `stall_s`, ask the engine's health; if it is failed (not stepping) or dead - or does not answer
-        its health twice in a row - end the channel: its requests fail over as for a dead engine. A healthy (busy)
-        engine is asked again after another `stall_s`. Late outputs, should it continue, reach no inbox."""
-        strikes = 0  # health answers in a row that were neither healthy nor a verdict of death (slow, unreachable)
-        try:
-            while not self.closed:
-                await asyncio.sleep(min(1.0, self.stall_s / 4))
-                silent = time.monotonic() - max(self.last_message, self._joined)
-                if not self.inboxes or silent < self.stall_s:
-                    continue
-                verdict = await self.engine.verdict()
-                strikes = strikes + 1 if verdict.state != "healthy" else 0
-                if not verdict.gone and strikes < 2:  # healthy (busy), or slow to answer once: ask again later
-                    self.last_message = time.monotonic()
-                    continue
-                silent = time.monotonic() - max(self.last_message, self._joined)
-                self.error = RuntimeError(f"no output from decode engine {self.engine_id} for {silent:.0f} s, and it "
-                                          f"is {verdict.why}")
-                log.warning("decode channel %s: %s; its %d requests fail over", self.id, self.error, len(self.inboxes))
-                self._reader.cancel()
-                return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the watchdog must not die silently
-            log.warning("decode channel %s: watchdog failed: %s", self.id, e)
-
-    def join(self, request_id: str, delta: bool = True) -> _Inbox:
-        if not self.inboxes:  # silence counts from the first request waiting, not from an idle channel's last message
-            self._joined = time.monotonic()
-        inbox = self.inboxes[request_id] = _Inbox(self, request_id, delta)
-        if self.closed:  # broke between opening and now: fail at once rather than wait for nothing
-            inbox.put(self.error)
-        return inbox
-
-    def _deliver(self, batch: list[tuple[str, Any]], via: str) -> None:
-        self.received[via] += 1
-        self.last_message = time.monotonic()
-        for request_id, out in batch:
-            inbox = self.inboxes.get(request_id)
-            if inbox is not None:
-                inbox.put(out)
-
-    def _bind(self) -> tuple[Any, str] | None:
-        """The local PULL socket and its address, or None (then the Ray stream carries everything)."""
-        import zmq
-
-        path = os.path.join(_socket_dir(), f"{uuid.uuid4().hex[:16]}.sock")
-        sock = _zmq_context().socket(zmq.PULL)
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(f"ipc://{path}")
-        except zmq.ZMQError as e:  # e.g. a path too long for a Unix socket
-            log.warning("decode channel %s: no local socket (%s); outputs over the Ray stream", self.id, e)
-            sock.close(linger=0)
-            return None
-        self.transport = "zmq"
-        return sock, path
-
-    async def _read(self) -> None:
-        sock = path = pump = stream = None
-        ended = False
-        try:
-            if self._local and await _same_node(self.engine):
-                bound = self._bind()
-                if bound is not None:
-                    sock, path = bound
-                    pump = asyncio.ensure_future(self._pump(sock))
-            stream = self.engine.decode_channel(self.id, f"ipc://{path}" if path else None)
-            async for ref in stream:
-                batch = await ref
-                if not self._open.done():
-                    if sock is not None:  # the engine's hello on the socket: it can reach us
-                        try:
-                            await asyncio.wait_for(self._hello.wait(), HELLO_TIMEOUT_S)
-                        except asyncio.TimeoutError:
-                            self.unreachable = True
-                            raise RuntimeError(f"decode engine {self.engine_id} did not reach this front end's "
-                                               f"socket within {HELLO_TIMEOUT_S:.0f} s") from None
-                    self._open.set_result(None)
-                self._deliver(batch, "ray")
-            ended = True
-        except Exception as e:  # noqa: BLE001 - RayActorError and friends: every request on it fails
-            self.error = e
-        finally:
-            if pump is not None:
-                pump.cancel()
-            if stream is not None and not ended:  # we stopped reading: end the engine's side of the channel too
-                with contextlib.suppress(Exception):
-                    import ray
-
-                    ray.cancel(stream)
-            if sock is not None:
-                with contextlib.suppress(Exception):  # what the engine sent before its stream ended still counts
-                    self._drain(sock)
-                sock.close(linger=0)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            self.closed = True
-            if self._watch is not asyncio.current_task():
-                self._watch.cancel()
-            if not self._open.done():
-                self._open.set_exception(self.error)
-            for inbox in list(self.inboxes.values()):
-                inbox.put(self.error)
-
-    def _drain(self, sock: Any) -> None:
-        """Hand out every message waiting on the socket (never awaits: a message is never left in a future)."""
-        import zmq
-
-        raw = zmq.Socket.shadow(sock.underlying)
-        while True:
-            try:
-                message = raw.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            batch = pickle.loads(message)
-            if not batch:
-                self._hello.set()
-            self._deliver(batch, "zmq")
-
-    async def _pump(self, sock: Any) -> None:
-        """Messages from the local socket (pickled by the engine actor: same user, a private directory). A broken
-        socket or message closes the channel like a broken stream: its requests fail instead of waiting."""
-        import zmq
-
-        try:
-            while True:
-                await sock.poll(flags=zmq.POLLIN)
-                self._drain(sock)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            self.error = RuntimeError(f"the decode socket from {self.engine_id} broke: {_cause(e)}")
-            self._reader.cancel()
-
-
-_SOCKET_DIR: str | None = None
-
-
-def _socket_dir() -> str:
-    """This process's private directory (0700) for decode-channel sockets, removed at exit."""
-    global _SOCKET_DIR
-    if _SOCKET_DIR is None or not os.path.isdir(_SOCKET_DIR):
-        _SOCKET_DIR = tempfile.mkdtemp(prefix="pd-router-")
-        atexit.register(shutil.rmtree, _SOCKET_DIR, True)
-    return _SOCKET_DIR
-
-
-def _zmq_context() -> Any:
-    import zmq.asyncio
-
-    return zmq.asyncio.Context.instance()
-
-
-async def _same_node(engine: EngineClient) -> bool:
-    """Whether the engine runs on this process's Ray node (False when that cannot be told: then the Ray stream)."""
-    try:
-        import ray
-
-        return await asyncio.wait_for(engine.node_id(), COORDINATOR_TIMEOUT_S) == \
-            ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 - an engine without the call, or gone: the Ray stream decides
-        return False
-
-
-def _cause(e: BaseException) -> str:
-    cause = getattr(e, "cause", None) or e
-    return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]

@@ -102,10 +102,10 @@ def _noticed(cluster: Any, victim: str, t_kill: float, old_pid: int | None = Non
     while time.perf_counter() - t_kill < NOTICE_TIMEOUT_S:
         try:
             if victim == "coordinator":
-                if ray.get(cluster.coordinator.pid.remote(), timeout=2) != old_pid:
-                    ray.get(cluster.coordinator.rebuilt_engines.remote(), timeout=10)
+                if ray.get(cluster.coordinator.pid(), timeout=2) != old_pid:
+                    ray.get(cluster.coordinator.rebuilt_engines(), timeout=10)
                     return time.perf_counter() - t_kill
-            elif victim not in ray.get(cluster.coordinator.ready.remote(role), timeout=2):
+            elif victim not in ray.get(cluster.coordinator.ready(role), timeout=2):
                 return time.perf_counter() - t_kill
         except Exception:  # noqa: BLE001 - a restarting coordinator
             pass
@@ -146,7 +146,7 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
         children: list[Any] = []
         old_pid = None
         if victim == "coordinator":
-            old_pid = ray.get(cluster.coordinator.pid.remote(), timeout=30)
+            old_pid = ray.get(cluster.coordinator.pid(), timeout=30)
             t_kill = time.perf_counter()
             os.kill(old_pid, signal.SIGKILL)  # Ray restarts it (max_restarts=-1)
         else:

@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 import ray
 
-from actors.coordinator import CoordinatorActor
+from actors.coordinator_client import CoordinatorClient
 from actors.engine import launch_engine_actor, stop_engine_actors
 from actors.router import Router
 
@@ -42,7 +42,7 @@ class PDCluster:
                  extra_env: dict[str, str] | None = None):
         """`engine_kwargs` go to every engine, `per_engine[(role, tp)]` to one (on top); `extra_env` to every engine's
         processes."""
-        self.coordinator = CoordinatorActor.options(name=f"coordinator-{namespace}").remote()
+        self.coordinator = CoordinatorClient.start(name=f"coordinator-{namespace}")
         launched = {
             (role, tp): launch_engine_actor(model_dir, tp, role=role, engine_id=f"{role}-tp{tp}", extra_env=extra_env,
                                             engine_kwargs={**(engine_kwargs or {}), **(per_engine or {}).get((role, tp), {})})
@@ -74,7 +74,7 @@ class PDCluster:
             except Exception:  # noqa: BLE001 - already stopped
                 pass
         stop_engine_actors(list(self.engines.values()))
-        ray.kill(self.coordinator, no_restart=True)
+        self.coordinator.kill()
         return pids, ports
 
 

@@ -98,7 +98,7 @@ class PoolWatch:
         ns = self.cluster.cfg.coordinator.namespace
         while not self._stop.wait(0.25):
             try:
-                engines = ray.get(self.cluster.coordinator.describe.remote(), timeout=10)["engines"]
+                engines = ray.get(self.cluster.coordinator.describe(), timeout=10)["engines"]
             except Exception:  # noqa: BLE001 - the cluster is going away
                 continue
             count = {"prefill": 0, "decode": 0}
@@ -180,7 +180,7 @@ class Load:
 
 
 def events(cluster) -> dict:
-    return ray.get(cluster.coordinator.pool_events.remote())
+    return ray.get(cluster.coordinator.pool_events())
 
 
 def served_by(cluster, engine_id: str) -> float | None:
@@ -320,7 +320,7 @@ def _started(pid: int) -> float | None:
 def assert_left_cleanly(scaled: Scaled, role: str, since: float) -> None:
     """The engine that left: deregistered (no pair names it) and none of its processes alive."""
     leave = next(l for l in events(scaled.cluster)["leaves"] if l["role"] == role and l["started"] >= since)
-    desc = ray.get(scaled.cluster.coordinator.describe.remote())
+    desc = ray.get(scaled.cluster.coordinator.describe())
     assert leave["engine_id"] not in desc["engines"]
     assert all(leave["engine_id"] not in (p["prefill"], p["decode"]) for p in desc["pairs"])
     started = scaled.watch.started.get(leave["engine_id"], {})
@@ -339,14 +339,14 @@ def assert_left_cleanly(scaled: Scaled, role: str, since: float) -> None:
 def test_a_dead_engine_is_replaced(scaled):
     """SIGKILL the prefill engine's actor process: the coordinator drops it, its replica fails Serve's health check,
     and Serve starts a replica whose new engine joins and serves the right answers."""
-    engines = ray.get(scaled.cluster.coordinator.describe.remote())["engines"]
+    engines = ray.get(scaled.cluster.coordinator.describe())["engines"]
     victim = next(e for e, d in engines.items() if d["role"] == "prefill")
     pids = scaled.watch.pids[victim]
     children = [psutil.Process(p) for p in pids[1:] if psutil.pid_exists(p)]
     os.kill(pids[0], signal.SIGKILL)
 
     def replaced() -> bool:
-        now = ray.get(scaled.cluster.coordinator.describe.remote())["engines"]
+        now = ray.get(scaled.cluster.coordinator.describe())["engines"]
         return victim not in now and any(d["role"] == "prefill" and d["state"] == "ready" for d in now.values())
 
     killed_at = time.time()
@@ -359,7 +359,7 @@ def test_a_dead_engine_is_replaced(scaled):
     assert got.choices[0].text == expected
     _, alive = psutil.wait_procs(children, timeout=60)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "the killed engine's vLLM processes live on"
-    new = [e for e, d in ray.get(scaled.cluster.coordinator.describe.remote())["engines"].items() if d["role"] == "prefill"]
+    new = [e for e, d in ray.get(scaled.cluster.coordinator.describe())["engines"].items() if d["role"] == "prefill"]
     print(f"{victim} killed; {new} serving {took:.0f} s later")
 
 

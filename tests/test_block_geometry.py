@@ -99,7 +99,7 @@ def test_each_engine_runs_its_own_physical_blocks_per_logical(pd):
     """What the engines report from vLLM's running layout, and the pairs the coordinator negotiated."""
     for key, engine in pd.engines.items():
         assert {(lay["block_size"], lay["kernel_block_size"]) for lay in layouts(engine)} == {(LOGICAL[key], KERNEL)}, key
-    pairs = {(p["prefill"], p["decode"]) for p in ray.get(pd.coordinator.describe.remote())["pairs"]}
+    pairs = {(p["prefill"], p["decode"]) for p in ray.get(pd.coordinator.describe())["pairs"]}
     assert pairs == {(P, D_TP2), (P, D_TP1)}
 
 

@@ -45,7 +45,7 @@ def test_every_pair_was_negotiated(pd):
     # reads and the byte-class test below move SD bytes (tests/test_disagg_mamba2.py runs DS)
     layouts = {key: {r["layout"]["conv_layout"] for r in ray.get(e.registration()).ranks} for key, e in pd.engines.items()}
     assert layouts == {key: {"SD"} for key in pd.engines}
-    desc = ray.get(pd.coordinator.describe.remote())
+    desc = ray.get(pd.coordinator.describe())
     pairs = {(p["prefill"], p["decode"]): p["tp_ratio"] for p in desc["pairs"]}
     assert pairs == {(f"prefill-tp{p}", f"decode-tp{d}"): (d // p if d >= p else -(p // d)) for p, d in PAIRS}
 
@@ -130,7 +130,7 @@ def test_decode_outputs_take_the_local_socket_and_the_ray_stream_alike(pd, refer
     stream receives them as its items. Same outputs either way. A channel's socket file goes with its event loop."""
     import os
 
-    import actors.router as router_module
+    from actors.decode_channel import _socket_dir
     from actors.router import Router
 
     by_ray = Router(pd.coordinator, decode_transport="ray")
@@ -140,7 +140,7 @@ def test_decode_outputs_take_the_local_socket_and_the_ray_stream_alike(pd, refer
     local, remote = pd.router._channels["decode-tp2"], by_ray._channels["decode-tp2"]
     assert local.transport == "zmq" and local.received["ray"] == 1 and local.received["zmq"] >= MAX_TOKENS
     assert remote.transport == "ray" and remote.received["zmq"] == 0 and remote.received["ray"] > MAX_TOKENS
-    assert local.closed and not [f for f in os.listdir(router_module._socket_dir()) if f.endswith(".sock")]
+    assert local.closed and not [f for f in os.listdir(_socket_dir()) if f.endswith(".sock")]
     with pytest.raises(ValueError, match="decode_transport"):
         Router(pd.coordinator, decode_transport="tcp")
 
@@ -225,7 +225,7 @@ def test_text_continues_a_first_token_that_ends_inside_a_character(pd, gdn_model
     async def text(router, continued=0):
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         if continued:  # what a failover sends: prompt + the tokens sent, the rest of the request
-            from actors.router import continuation_params
+            from actors.failover import continuation_params
 
             outs = router._once(prompt + oracle(prompt, continued), continuation_params(params, continued), "cont",
                                 ("prefill-tp1", "decode-tp2"), set(), continued=continued)
@@ -279,7 +279,7 @@ def test_the_data_path_reads_by_the_negotiated_layout(pd, reference):
         return out
 
     try:
-        ray.get(pd.coordinator.deregister.remote("prefill-tp1"))
+        ray.get(pd.coordinator.deregister("prefill-tp1"))
         halved = copy.deepcopy(reg)
         for rank in halved.ranks:
             rank["layout"]["kernel_block_size"] //= 2
@@ -292,7 +292,7 @@ def test_the_data_path_reads_by_the_negotiated_layout(pd, reference):
         wrong = asyncio.run(answers())
         assert all(w != e for w, e in zip(wrong, expected)), wrong
     finally:
-        ray.get(pd.coordinator.deregister.remote("prefill-tp1"))
+        ray.get(pd.coordinator.deregister("prefill-tp1"))
         ray.get(engine.register(pd.coordinator, reg))
     assert asyncio.run(answers()) == expected
 
@@ -304,11 +304,11 @@ def test_incompatible_dtype_refused_naming_the_field(pd):
     for rank in reg.ranks:
         rank["layout"]["dtype"] = "float16"
     with pytest.raises(RegistrationError, match=r"dtype: decode-fp16 \(decode\) is incompatible with prefill-tp\d \(prefill\): dtype: prefill has 'bfloat16', decode has 'float16'"):
-        ray.get(pd.coordinator.register.remote(reg, pd.engines[("decode", 2)]))
+        ray.get(pd.coordinator.register(reg, pd.engines[("decode", 2)]))
     reg = dataclasses.replace(reg, engine_id="prefill-fp16", role="prefill")
     with pytest.raises(RegistrationError, match=r"dtype: prefill-fp16 has 'float16', prefill-tp\d of the same prefill pool has 'bfloat16'"):
-        ray.get(pd.coordinator.register.remote(reg, pd.engines[("decode", 2)]))
-    assert not {"decode-fp16", "prefill-fp16"} & set(ray.get(pd.coordinator.describe.remote())["engines"])
+        ray.get(pd.coordinator.register(reg, pd.engines[("decode", 2)]))
+    assert not {"decode-fp16", "prefill-fp16"} & set(ray.get(pd.coordinator.describe())["engines"])
 
 
 def test_engine_in_another_conv_layout_refused(pd):
@@ -320,8 +320,8 @@ def test_engine_in_another_conv_layout_refused(pd):
         rank["layout"]["conv_layout"] = "DS"
     with pytest.raises(RegistrationError, match=r"conv_layout: decode-ds \(decode\) is incompatible with prefill-tp\d "
                                                 r"\(prefill\): conv_layout: prefill has 'SD', decode has 'DS'"):
-        ray.get(pd.coordinator.register.remote(reg, pd.engines[("decode", 2)]))
-    assert "decode-ds" not in ray.get(pd.coordinator.describe.remote())["engines"]
+        ray.get(pd.coordinator.register(reg, pd.engines[("decode", 2)]))
+    assert "decode-ds" not in ray.get(pd.coordinator.describe())["engines"]
 
 
 def test_engine_of_another_model_refused(pd, ray_local):
@@ -335,7 +335,7 @@ def test_engine_of_another_model_refused(pd, ray_local):
             ray.get(other.register(pd.coordinator))
     finally:
         stop_engine_actor(other)
-    assert "prefill-asym" not in ray.get(pd.coordinator.describe.remote())["engines"]
+    assert "prefill-asym" not in ray.get(pd.coordinator.describe())["engines"]
 
 
 def test_a_decode_engine_with_another_block_size_is_refused(pd):
@@ -355,7 +355,7 @@ def test_a_decode_engine_with_another_block_size_is_refused(pd):
             ray.get(other.register(pd.coordinator))
     finally:
         stop_engine_actor(other)
-    assert "decode-bs256" not in ray.get(pd.coordinator.describe.remote())["engines"]
+    assert "decode-bs256" not in ray.get(pd.coordinator.describe())["engines"]
 
 
 def test_failed_decode_frees_prefill_blocks(pd):
@@ -416,7 +416,7 @@ class _LeavesAfterPrefill:
         prefilled = await self._e.prefill(*args, **kwargs)
         if not self._departed:
             self._departed.append(self._id)
-            await self._coordinator.deregister.remote(self._id)
+            await self._coordinator.deregister(self._id)
         return prefilled
 
     def __getattr__(self, name):  # release, ...: the real engine
@@ -531,7 +531,7 @@ def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd, first)
         assert (router.retried, router.failed_over) == ((1, 0) if first == "decode" else (0, 1))
         gone = pd.engines[("prefill", int(departed[0][-1]))]
         assert ray.get(gone.pending_sends(wait_s=5)) == []  # nothing held for the read that failed
-        assert departed[0] not in ray.get(pd.coordinator.describe.remote())["engines"]
+        assert departed[0] not in ray.get(pd.coordinator.describe())["engines"]
     finally:
         for engine_id in departed:  # back in the cluster for the next tests
             ray.get(pd.engines[("prefill", int(engine_id[-1]))].register(pd.coordinator))
@@ -550,7 +550,7 @@ def test_a_plan_for_another_decode_layout_is_refused_at_install(pd, reference):
     blocks. The refusal names the field; the engine's real pairs keep working."""
     import json
 
-    payload = ray.get(pd.coordinator.pair_payload.remote("prefill-tp1", "decode-tp2"))
+    payload = ray.get(pd.coordinator.pair_payload("prefill-tp1", "decode-tp2"))
     decode = pd.engines[("decode", 2)]
     for field, wrong in (("page_bytes", lambda v: v * 2), ("kernel_block_size", lambda v: v // 2)):
         data = json.loads(payload)
@@ -569,7 +569,7 @@ def test_a_renegotiated_pair_lets_go_of_its_nixl_agents(pd, reference):
     loaded = ray.get(decode.remote_agents("prefill-tp1"))
     names = sorted({name for rank in loaded for name in rank})
     assert names and all(held for rank in loaded for held in rank.values()), loaded
-    ray.get(decode.install_pair("prefill-tp1", ray.get(pd.coordinator.pair_payload.remote("prefill-tp1", "decode-tp2"))))
+    ray.get(decode.install_pair("prefill-tp1", ray.get(pd.coordinator.pair_payload("prefill-tp1", "decode-tp2"))))
     assert ray.get(decode.remote_agents("prefill-tp1")) == [{}, {}]
     assert ray.get(decode.nixl_knows(names)) == [[False] * len(names)] * 2
     assert gather(run_pair(pd.router, "prefill-tp1", "decode-tp2", p) for p in prompts()) == reference
@@ -582,7 +582,7 @@ def test_a_pair_renegotiated_during_its_handshake_drops_that_handshakes_agents(p
     installs when it completes, are dropped again - the plan they were made for is gone - and the read handshakes
     anew under the current plan. pd_install_pair now changes the plan under vLLM's handshake lock."""
     decode = pd.engines[("decode", 2)]
-    payload = ray.get(pd.coordinator.pair_payload.remote("prefill-tp1", "decode-tp2"))
+    payload = ray.get(pd.coordinator.pair_payload("prefill-tp1", "decode-tp2"))
     ray.get(decode.install_pair("prefill-tp1", payload))  # no agents loaded: the next read handshakes
     before = ray.get(decode.stale_handshakes())
     ray.get(decode.set_handshake_delay(3.0))
@@ -610,7 +610,7 @@ def test_a_read_that_cannot_be_assembled_fails_its_request_not_the_engine(pd, re
     from actors.router import EngineFailure
 
     decode = pd.engines[("decode", 2)]
-    good = ray.get(pd.coordinator.pair_payload.remote("prefill-tp1", "decode-tp2"))
+    good = ray.get(pd.coordinator.pair_payload("prefill-tp1", "decode-tp2"))
     broken = json.loads(good)
     for rank in broken["prefill_ranks"]:
         rank["region_bases"] = []

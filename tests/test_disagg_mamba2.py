@@ -51,7 +51,7 @@ def test_replicated_groups_read_from_one_rank_each(pd, reference):
     heads, and B/C once (from rank 0), never twice."""
     import ray
 
-    plan = ray.get(pd.coordinator.pair_payload.remote("prefill-tp2", "decode-tp1"))
+    plan = ray.get(pd.coordinator.pair_payload("prefill-tp2", "decode-tp1"))
     import json
 
     reads = json.loads(plan)["pair"]["state_reads"][0]

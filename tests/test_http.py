@@ -370,13 +370,13 @@ def test_no_capacity_is_503_with_retry_after(served):
     """With the prefill pool empty (its engine draining) the decode engine serves requests whole: 200, /health
     "degraded". With neither pool ready: 503 + Retry-After, for streams too (a stream that fails before its first
     token is a 503, not a 200), and /health 503."""
-    ray.get(served.coordinator.set_state.remote("prefill-0", "draining"))
+    ray.get(served.coordinator.set_state("prefill-0", "draining"))
     try:
         r = post(served, {"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200, r.text
         h = httpx.get(f"{served.url}/health")
         assert h.status_code == 200 and h.json()["status"] == "degraded", h.text
-        ray.get(served.coordinator.set_state.remote("decode-0", "draining"))
+        ray.get(served.coordinator.set_state("decode-0", "draining"))
         for stream in (False, True):
             r = post(served, {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": stream})
             assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
@@ -385,8 +385,8 @@ def test_no_capacity_is_503_with_retry_after(served):
         h = httpx.get(f"{served.url}/health")
         assert h.status_code == 503 and h.json()["ready"] == {"prefill": 0, "decode": 0}
     finally:
-        ray.get(served.coordinator.set_state.remote("decode-0", "ready"))
-        ray.get(served.coordinator.set_state.remote("prefill-0", "ready"))
+        ray.get(served.coordinator.set_state("decode-0", "ready"))
+        ray.get(served.coordinator.set_state("prefill-0", "ready"))
     assert post(served, {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
     assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
 

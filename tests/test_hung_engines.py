@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 
-from actors.coordinator import CoordinatorActor
+from actors.coordinator_client import CoordinatorClient
 from actors.engine import launch_engine_actor, stop_engine_actors
 from actors.router import Router
 from tests.pd_helpers import oracle, prompts
@@ -25,7 +25,7 @@ ENGINES = ("prefill-a", "prefill-b", "decode-a", "decode-b")
 
 @pytest.fixture(scope="module")
 def cl(ray_local, gdn_model):
-    coordinator = CoordinatorActor.options(name="coordinator-hung").remote()
+    coordinator = CoordinatorClient.start(name="coordinator-hung")
     launched = {e: launch_engine_actor(str(gdn_model), 1, role=e.split("-")[0], engine_id=e,
                                        extra_env={"PD_ENGINE_STALL_S": str(STALL_S)}) for e in ENGINES}
     engines = {e: h for e, (h, _) in launched.items()}
@@ -38,7 +38,7 @@ def cl(ray_local, gdn_model):
         for h in engines.values():  # never leave a stopped process behind
             _signal(h, signal.SIGCONT)
         stop_engine_actors(list(engines.values()))
-        ray.kill(coordinator, no_restart=True)
+        coordinator.kill()
 
 
 def _vllm_pids(engine) -> list[int]:
@@ -58,7 +58,7 @@ def _signal(engine, sig: int) -> None:
 
 
 def _routes(coordinator) -> dict[str, list[str]]:
-    return ray.get(coordinator.routes.remote())
+    return ray.get(coordinator.routes())
 
 
 def test_a_hung_decode_engine_fails_over_mid_stream(cl):
@@ -158,8 +158,15 @@ def test_a_reader_that_stops_reading_its_ray_stream_ends_its_requests(cl):
             await asyncio.sleep(0.2)
         ended_after = time.monotonic() - t0
         items = []
-        async for ref in stream:  # what was held back, then the stream's end
-            items += await ref
+
+        async def read() -> None:
+            async for ref in stream:  # what was held back, then the stream's end
+                items.extend(await ref)
+
+        try:
+            await asyncio.wait_for(read(), 60)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"the unread stream did not end ({len(items)} items read)") from None
         return items, ended_after
 
     items, ended_after = asyncio.run(run())

@@ -6,8 +6,8 @@ inside functions included):
         -> cluster/core/   the pure core: shapes, layouts, planner, registry, deploy config, wire format
 
 A module imports from its own layer or the ones below it, never above; the core imports neither Ray nor vLLM. And no
-module but `actors/engine_client.py` calls an engine actor's methods: everything else talks to engines through
-`EngineClient`."""
+module but `actors/engine_client.py` calls an engine actor's methods, and none but `actors/coordinator_client.py` the
+coordinator's: everything else talks to them through `EngineClient` and `CoordinatorClient`."""
 
 from __future__ import annotations
 
@@ -132,3 +132,45 @@ def test_every_engine_method_has_a_client_method():
     from actors.engine_client import EngineClient
 
     assert not remote_methods(ENGINE_CLASSES) - set(dir(EngineClient)), "engine methods EngineClient does not offer"
+
+
+# ---- the coordinator is reached only through actors/coordinator_client.py ------------------------------------------
+COORDINATOR_CLIENT = ROOT / "actors" / "coordinator_client.py"
+
+
+def actor_classes() -> set[str]:
+    """Classes whose methods are called with `.remote`: Ray actors and Serve deployments (by decorator), and the
+    mixins an engine actor is made of."""
+    names = set(ENGINE_CLASSES)
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any("remote" in ast.unparse(d) or "deployment" in ast.unparse(d)
+                                                      for d in node.decorator_list):
+                names.add(node.name)
+    return names
+
+
+# coordinator methods no other actor has (plain classes' names - the router's `routes` - do not count)
+COORDINATOR_ONLY = remote_methods({"CoordinatorActor"}) - remote_methods(actor_classes() - {"CoordinatorActor"})
+
+
+@pytest.mark.parametrize("path", [p for p in sorted([*SOURCES, *ROOT.glob("tests/*.py")]) if p != COORDINATOR_CLIENT],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_coordinator_is_called_only_through_its_client(path):
+    calls = [(line, m) for line, m in actor_calls(path.read_text()) if m in COORDINATOR_ONLY]
+    assert not calls, f"{path.relative_to(ROOT)} calls coordinator actor methods directly (use CoordinatorClient): {calls}"
+
+
+def test_the_coordinator_client_check_sees_a_direct_call():
+    """The oracle can fail: the coordinator methods it knows, and what a direct call would be judged."""
+    assert "CoordinatorActor" in actor_classes() and "HTTPFrontend" in actor_classes()
+    assert {"routes", "describe", "engine_failed", "claim_engine_id", "pool_events", "deregister"} <= COORDINATOR_ONLY
+    source = "c.routes.remote()\nc.engine_failed.options(name='x').remote('d')\nclient.routes()\n"
+    assert [m for _, m in actor_calls(source) if m in COORDINATOR_ONLY] == ["routes", "engine_failed"]
+
+
+def test_every_coordinator_method_has_a_client_method():
+    from actors.coordinator_client import CoordinatorClient
+
+    assert not remote_methods({"CoordinatorActor"}) - set(dir(CoordinatorClient)), \
+        "coordinator methods CoordinatorClient does not offer"

@@ -4,14 +4,18 @@ its hybrid block-size alignment, KV cache groups and specs, read out by actors/e
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+from cluster.core.hf_config import model_shape
+from cluster.core.layout import LayoutError, layout_from_report, offline_layout
 
-from cluster.core.hf_config import model_shape  # noqa: E402
-from cluster.core.layout import LayoutError, layout_from_report, offline_layout  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def ds_conv_layout(monkeypatch):
+    """vLLM reads its conv-state layout from the environment when it builds an engine: DS here (the engines' own
+    setting), for these tests only - not for the session that imports this module."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
 
 TINY_QWEN3_NEXT = {
     "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 256, "num_hidden_layers": 4,

@@ -10,7 +10,7 @@ import random
 import pytest
 import ray
 
-from actors.coordinator import CoordinatorActor
+from actors.coordinator_client import CoordinatorClient
 from actors.engine import launch_engine_actor, stop_engine_actors
 from actors.router import Router
 from tests.pd_helpers import gather, oracle
@@ -26,7 +26,7 @@ MAX_TOKENS = 8
 class Cluster:
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
-        self.coordinator = CoordinatorActor.options(name="coordinator-routing").remote()
+        self.coordinator = CoordinatorClient.start(name="coordinator-routing")
         self.engines = {}
         self.launch(*PREFILLS, *DECODES)
         self.cache = Router(self.coordinator, policy="cache")
@@ -50,7 +50,7 @@ class Cluster:
 
     def stop(self) -> None:
         stop_engine_actors(list(self.engines.values()))
-        ray.kill(self.coordinator, no_restart=True)
+        self.coordinator.kill()
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_an_engine_that_leaves_or_restarts_drops_out_of_the_picture(cl, block):
     assert len(held) == 1
     gone, other = held[0], next(e for e in PREFILLS if e != held[0])
     stop_engine_actors([cl.engines.pop(gone)])
-    ray.get(cl.coordinator.engine_failed.remote(gone))
+    ray.get(cl.coordinator.engine_failed(gone))
     second = prompt + out + words(1201, 60)
     out2, reused = turn(cl, cl.cache, second)
     assert out2 == oracle(second, MAX_TOKENS) and reused.get(other, 0) == 0

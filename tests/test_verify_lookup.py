@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from actors.coordinator_client import CoordinatorClient
 from actors.engine_verify import VerifyMixin
 
 
@@ -35,7 +36,7 @@ def coordinator(answers: list):
             raise answer
         return answer
 
-    return SimpleNamespace(client=SimpleNamespace(remote=client))
+    return CoordinatorClient(SimpleNamespace(client=SimpleNamespace(remote=client)))  # a stand-in actor handle
 
 
 def test_checks_go_on_while_the_coordinator_does_not_answer():
