@@ -245,6 +245,9 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         # per prefill engine: the generation of its installed plan, and the one its loaded agents were made under
         self._pd_plan_gen: dict[str, int] = {}
         self._pd_agents_gen: dict[str, int] = {}
+        # NIXL agents taken out of vLLM's table while reads or notifications still used them: agent name -> its prefill
+        # engine; removed from NIXL once those have finished or failed (`_pd_remove_retired`, every engine step)
+        self._pd_retired: dict[str, str] = {}
 
     # ---- called through the worker extension -------------------------------------------------------------------
     def pd_registration(self) -> dict[str, Any]:
@@ -302,22 +305,50 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         return [self.nixl_wrapper.check_remote_metadata(name) for name in agent_names]
 
     def _pd_drop_agents(self, prefill_engine_id: str) -> None:
-        """Forget a prefill engine's NIXL agents: out of vLLM's table and out of NIXL (each would leak otherwise) -
-        unless reads from it are still in flight, whose handles use them (vLLM's own clean-up waits for those too):
-        then they stay loaded in NIXL, as before this was fixed. (A handshake still running under the old plan may
-        install its agents after this: the next read sees that they belong to a replaced plan, `_read_blocks_for_req`.)"""
+        """Forget a prefill engine's NIXL agents: out of vLLM's table now, and out of NIXL (each would leak otherwise)
+        as soon as no read or notification uses them - at once when none does, else after the last one has finished or
+        failed (`_pd_remove_retired`, every engine step; vLLM's own clean-up also waits for reads to drain). (A
+        handshake still running under the old plan may install its agents after this: the next read sees that they
+        belong to a replaced plan, `_read_blocks_for_req`.)"""
         with self._handshake_lock:
             agents = self._remote_agents.pop(prefill_engine_id, {})
-        held = {spec["prefill_engine"] for spec in (*self._pd_verify_reads.values(), *self._pd_verify_ready.values(),
-                                                    *self._pd_verify_waiting.values())}  # their notifications wait
-        if prefill_engine_id in self._engines_with_inflight_transfers() or prefill_engine_id in held:
-            logger.warning("reads from %s in flight: its NIXL agents stay loaded", prefill_engine_id)
+        self._pd_retire(prefill_engine_id, agents.values())
+
+    def _pd_retire(self, prefill_engine_id: str, names: Any) -> None:
+        """Remove these agents of a prefill engine from NIXL once nothing uses them (now, if nothing does)."""
+        self._pd_retired.update((name, prefill_engine_id) for name in names)
+        self._pd_remove_retired()
+
+    def _pd_remove_retired(self) -> None:
+        """Remove from NIXL the retired agents nothing uses any more. In use: by a read in flight from their engine
+        (its handles name the agent), a transfer.verify read or verdict pending (its done-notifications wait in
+        `_pending_recv_notifs`), or vLLM's table again (a later handshake loaded the same agent: NIXL keeps one copy
+        per name, so removing it would pull it from under the new plan). Not while a handshake with their engine
+        runs: it may be loading the same agent and not have put it in the table yet."""
+        if not self._pd_retired:
             return
-        for name in agents.values():
-            try:
-                self.nixl_wrapper.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        with self._handshake_lock:
+            handshaking = set(self._handshake_futures)
+            loaded = {name for agents in self._remote_agents.values() for name in agents.values()}
+        busy = self._engines_with_inflight_transfers() | handshaking | {
+            spec["prefill_engine"] for spec in (*self._pd_verify_reads.values(), *self._pd_verify_ready.values(),
+                                                *self._pd_verify_waiting.values())}
+        notifying = {agent for notifs in self._pending_recv_notifs.values() for agent, _ in notifs}
+        for name, engine_id in list(self._pd_retired.items()):
+            if name in loaded:  # vLLM's table holds it again: whoever drops it next removes it
+                del self._pd_retired[name]
+            elif engine_id not in busy and name not in notifying:
+                del self._pd_retired[name]
+                try:
+                    self.nixl_wrapper.remove_remote_agent(name)
+                except Exception as e:  # noqa: BLE001 - already gone
+                    logger.debug("NIXL agent %s of %s was already gone: %s", name, engine_id, e)
+
+    def get_transfer_results(self):  # type: ignore[override]
+        """vLLM's completions, then the retired NIXL agents whose last read or notification has just ended go."""
+        results = super().get_transfer_results()
+        self._pd_remove_retired()
+        return results
 
     @functools.cached_property
     def _pd_own_layout(self) -> dict[str, Any]:
@@ -474,13 +505,16 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         if engine_id in self._invalid_remote_engines:
             self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
             return
+        stale: dict[Any, str] = {}
         with self._handshake_lock:
             if (engine_id in self._remote_agents
                     and self._pd_agents_gen.get(engine_id) != self._pd_plan_gen.get(engine_id, 0)):
                 # loaded by a handshake that ran while the pair's plan was replaced: made for the old plan
-                del self._remote_agents[engine_id]
+                stale = self._remote_agents.pop(engine_id)
                 self._pd_stale_dropped += 1
                 logger.warning("NIXL agents of %s were loaded under a replaced plan: handshaking again", engine_id)
+        if stale:  # out of NIXL too (NIXL's teardown outside the lock, as vLLM's), before the next handshake loads them
+            self._pd_retire(engine_id, stale.values())
         if engine_id not in self._remote_agents:
             self._background_nixl_handshake(req_id, engine_id, meta)
             return

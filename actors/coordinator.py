@@ -81,6 +81,12 @@ class CoordinatorActor:
         """`registration`: what `EngineClient.registration` returns. Refused with RegistrationError (its message names
         the field) when the engine cannot pair with the registered ones; then nothing is registered."""
         await self._ready()
+        if self.clients.get(registration.engine_id) == engine:
+            # registered already, by a restarted coordinator's rebuild that found it while its own registration was
+            # on the way: the same engine, its pairs negotiated - not a second engine under a taken id
+            pairs = [key for key in self.core.pairs if registration.engine_id in key]
+            log.info("%s registered again (the registry was rebuilt meanwhile); pairs %s", registration.engine_id, pairs)
+            return {"engine_id": registration.engine_id, "pairs": pairs}
         return await self._register(registration, engine)
 
     async def _register(self, registration: Registration, engine: EngineClient) -> dict[str, Any]:
@@ -230,6 +236,16 @@ class CoordinatorActor:
         self.removed = (self.removed + [{"engine_id": engine_id, "why": why, "time": time.time()}])[-HISTORY_KEPT:]
         await self._deregister(engine_id)
         return True
+
+    async def clean_up_dead(self, timeout_s: float = 90.0) -> dict[str, list[str]]:
+        """Before a stop: every registered engine is checked now, the dead ones' files removed from their nodes, and
+        the clean-ups under way finished (up to `timeout_s`) - an engine killed the moment before a stop would
+        otherwise leave its shared memory and TMPDIR behind with the coordinator that was to remove them. Returns
+        what was removed, per engine."""
+        await asyncio.gather(*(self.engine_failed(e) for e in list(self.clients)), return_exceptions=True)
+        if self._cleanups:
+            await asyncio.wait(set(self._cleanups), timeout=timeout_s)
+        return dict(self.cleaned)
 
     def _clean_after(self, engine_id: str) -> None:
         """Remove what a dead engine's processes left on its node (shared memory, TMPDIR) once they have exited."""

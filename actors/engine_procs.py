@@ -70,16 +70,37 @@ def _is_resource_tracker(p: psutil.Process) -> bool:
 
 
 def _shm_paths(procs: list[psutil.Process]) -> set[str]:
-    """Shared-memory files that `procs` have mapped or open and that an engine creates."""
-    paths: set[str] = set()
+    """Shared-memory files that `procs` have mapped or open and that an engine creates (SHM_PREFIXES), matched by
+    inode: glibc's sem_open creates a semaphore under a temporary name and links it to its own, so a process's maps
+    show "/dev/shm/sem.XXXXXX (deleted)", never the "sem.mp-..." name that stays behind (one per engine, until
+    reboot, when matched by name)."""
+    held: set[int] = set()
     for p in procs:
         try:
-            candidates = [m.path for m in p.memory_maps(grouped=True)] + [f.path for f in p.open_files()]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            with open(f"/proc/{p.pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                        held.add(int(fields[4]))
+            for fd in os.listdir(f"/proc/{p.pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{p.pid}/fd/{fd}").startswith("/dev/shm/"):
+                        held.add(os.stat(f"/proc/{p.pid}/fd/{fd}").st_ino)
+                except OSError:  # closed meanwhile
+                    pass
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
             continue
-        for path in candidates:
-            if path.startswith("/dev/shm/") and os.path.basename(path).startswith(SHM_PREFIXES):
-                paths.add(path)
+    paths: set[str] = set()
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)]
+    except FileNotFoundError:
+        return paths
+    for name in names:
+        try:
+            if os.stat(f"/dev/shm/{name}").st_ino in held:
+                paths.add(f"/dev/shm/{name}")
+        except OSError:  # removed meanwhile
+            pass
     return paths
 
 

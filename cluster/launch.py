@@ -40,7 +40,7 @@ def say(msg: str) -> None:
 class Cluster:
     cfg: DeployConfig
     model_dir: Path
-    coordinator: Any
+    coordinator: "CoordinatorClient"  # actors.coordinator_client
     engines: dict[str, EngineClient] = field(default_factory=dict)  # engine id -> client (pools: as of the last refresh)
     timings: dict[str, float] = field(default_factory=dict)
     url: str | None = None
@@ -54,7 +54,7 @@ class Cluster:
         from actors.engine_client import EngineClient
 
         found = {}
-        for engine_id in ray.get(self.coordinator.describe.remote())["engines"]:
+        for engine_id in ray.get(self.coordinator.describe())["engines"]:
             try:
                 found[engine_id] = EngineClient.named(engine_id, self.cfg.coordinator.namespace)
             except ValueError:  # left between the two calls
@@ -78,7 +78,7 @@ def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say, *, p
 
 
 def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
-    from actors.coordinator import CoordinatorActor
+    from actors.coordinator_client import CoordinatorClient
     from cluster.core.models import ensure_model
 
     model_dir = Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin)
@@ -92,10 +92,8 @@ def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cl
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    coordinator = CoordinatorActor.options(
-        name=cfg.coordinator.name, namespace=cfg.coordinator.namespace, get_if_exists=True, max_restarts=-1,
-        scheduling_strategy=here,
-    ).remote(namespace=cfg.coordinator.namespace)
+    coordinator = CoordinatorClient.start(name=cfg.coordinator.name, namespace=cfg.coordinator.namespace,
+                                          get_if_exists=True, max_restarts=-1, scheduling_strategy=here)
     return Cluster(cfg, model_dir, coordinator)
 
 
@@ -170,19 +168,19 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
                 fut.result()  # a pool that failed to deploy raises here
                 progress(f"{running[fut]} pool up")
             if pending:
-                engines = ray.get(cluster.coordinator.describe.remote())["engines"]
+                engines = ray.get(cluster.coordinator.describe())["engines"]
                 ready = ", ".join(sorted(engines)) or "none"
                 progress(f"  loading engines ({time.monotonic() - t0:.0f} s); registered so far: {ready}")
         cluster.refresh_engines()
-        for info in ray.get(cluster.coordinator.pool_events.remote())["joins"]:
+        for info in ray.get(cluster.coordinator.pool_events())["joins"]:
             progress(f"{info['engine_id']} (TP {info['tp']}{_cores(info)}) joined in {info['total_s']:.0f} s "
                      f"({_phases(info, 0)})")
-        pairs = ray.get(cluster.coordinator.describe.remote())["pairs"]
+        pairs = ray.get(cluster.coordinator.describe())["pairs"]
         progress("negotiated pairs: " + ", ".join(f"{p['prefill']}->{p['decode']}" for p in pairs))
         cluster.timings["engines_s"] = cluster.timings["registered_s"] = time.monotonic() - t0
     except BaseException:
         _stop_pools(cluster, progress)
-        ray.kill(cluster.coordinator, no_restart=True)
+        cluster.coordinator.kill()
         raise
     finally:
         pool_exec.shutdown(wait=False, cancel_futures=True)
@@ -244,7 +242,7 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
         cluster.timings["registered_s"] = time.monotonic() - t0
     except BaseException:
         stop_engine_actors(list(cluster.engines.values()))
-        ray.kill(coordinator, no_restart=True)
+        coordinator.kill()
         raise
     return cluster
 
@@ -552,6 +550,10 @@ def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Ca
     from actors.engine import stop_engine_actors
 
     _stop_frontend(cluster, progress)
+    try:  # an engine that died just before the stop: its files go now, not with the coordinator's clean-up
+        ray.get(cluster.coordinator.clean_up_dead(), timeout=120)
+    except Exception as e:  # noqa: BLE001 - keep stopping
+        progress(f"could not clean up after dead engines: {e}")
     progress("stopping engines ...")
     if cluster.pool_apps:
         _stop_pools(cluster, progress)
@@ -562,7 +564,7 @@ def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Ca
             serve.shutdown()
         except Exception as e:  # noqa: BLE001
             progress(f"could not shut Serve down: {e}")
-    ray.kill(cluster.coordinator, no_restart=True)
+    cluster.coordinator.kill()
 
 
 def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = say, interval_s: float = 2.0) -> None:
@@ -573,7 +575,7 @@ def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = s
     seen = {kind: time.time() for kind in stamp}  # print what happens from now on (by time: the lists are bounded)
     while not stop.wait(interval_s):
         try:
-            events = ray.get(cluster.coordinator.pool_events.remote(), timeout=10)
+            events = ray.get(cluster.coordinator.pool_events(), timeout=10)
         except Exception:  # noqa: BLE001 - a restarting coordinator: try again next time
             continue
         for kind, items in events.items():

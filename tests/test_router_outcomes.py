@@ -236,3 +236,25 @@ def test_the_coordinator_checks_a_burst_of_reports_of_one_engine_once():
     assert asyncio.run(burst()) == [False] * 50
     assert len(asked) == 1
     assert asyncio.run(coordinator.engine_failed("decode-0")) is False and len(asked) == 2  # a later report asks again
+
+
+def test_an_engine_the_rebuilt_registry_already_holds_registers_again():
+    """A coordinator killed while an engine registers rebuilds its registry from the live engines, that one
+    included; the engine's own registration then arrives: it is the same engine, not a second one under a taken id,
+    so it is answered with its pairs (it used to be refused, and its pool replica failed and took the engine with it).
+    Another engine under that id is still refused."""
+    from actors.coordinator import CoordinatorActor
+    from cluster.core.coordinator import Coordinator, RegistrationError
+
+    cls = CoordinatorActor.__ray_actor_class__
+    coordinator = cls.__new__(cls)
+    coordinator.core, coordinator.clients, coordinator.restarted = Coordinator(), {}, False
+    engine, other = SimpleNamespace(name="prefill-1 actor"), SimpleNamespace(name="another actor")
+    coordinator.clients["prefill-1"] = engine
+    coordinator.core.pairs[("prefill-1", "decode-0")] = object()
+    coordinator.core.pairs[("prefill-0", "decode-0")] = object()
+    registration = SimpleNamespace(engine_id="prefill-1")
+    answer = asyncio.run(coordinator.register(registration, engine))
+    assert answer == {"engine_id": "prefill-1", "pairs": [("prefill-1", "decode-0")]}
+    with pytest.raises((RegistrationError, AttributeError)):  # goes on to a real registration, which refuses it
+        asyncio.run(coordinator.register(registration, other))

@@ -1,0 +1,138 @@
+"""Nothing is left behind: a pair removed while a read from its prefill engine is in flight lets go of that engine's
+NIXL agents once the read has ended (they stayed loaded for the life of the decode engine before), and a cluster
+stopped the moment after an engine was SIGKILLed under load leaves no engine process, no shared-memory file and no
+engine TMPDIR (a stop may end the coordinator before its clean-up of the dead engine's files has run)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import glob
+import os
+import signal
+
+import httpx
+import psutil
+import pytest
+import ray
+
+from actors.engine import free_port
+from actors.engine_procs import SHM_PREFIXES
+from cluster.bench_faults import kill_engine
+from cluster.core.config import DeployConfig, load_deploy
+from cluster.launch import serve, stop_cluster
+from tests.pd_helpers import PDCluster, decode_stream, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.engine
+def test_a_pair_removed_with_a_read_in_flight_lets_go_of_its_nixl_agents(ray_local, gdn_model):
+    """The prefill engine's vLLM processes are stopped (SIGSTOP) after its prefill, so that the decode engine's NIXL
+    read of that request cannot complete (UCX needs the target's progress thread to connect); the pair is removed
+    meanwhile. The agents must stay loaded while the read runs - it completes after SIGCONT with the right tokens,
+    which also shows it was posted before the removal (a read started after it finds no plan and fails) - and be gone
+    from NIXL once it has ended."""
+    pd = PDCluster(gdn_model, [("prefill", 1), ("decode", 1)], "leftovers")
+    prefill, decode = pd.engines[("prefill", 1)], pd.engines[("decode", 1)]
+    p_id = pd.engine_id("prefill", 1)
+    stopped: list[int] = []
+    try:
+        prompt = [1] + [(7 * j) % 900 + 3 for j in range(300)]
+        want = asyncio.run(decode_stream(decode, prompt, None))  # colocated reference (and a warm decode engine)
+        params = ray.get(prefill.prefill(prompt, "held-read")).kv_transfer_params
+        assert ray.get(decode.remote_agents(p_id)) == [{}]  # no read from it yet: nothing loaded
+        stopped = ray.get(prefill.pids())[1:]  # its vLLM processes (the actor answers; NIXL's threads do not)
+        _signal(stopped, signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            read = pool.submit(lambda: asyncio.run(decode_stream(decode, prompt, params)))
+            wait_for(lambda: any(ray.get(decode.remote_agents(p_id))), 60)  # handshake done: the read is posted
+            names = sorted(ray.get(decode.remote_agents(p_id))[0])
+            assert names and not read.done()
+            ray.get(decode.remove_pair(p_id))
+            assert ray.get(decode.remote_agents(p_id)) == [{}]
+            # the read in flight still uses them: removed now, it would fail or fault
+            assert ray.get(decode.nixl_knows(names)) == [[True] * len(names)]
+            _signal(stopped, signal.SIGCONT)
+            stopped = []
+            assert read.result(timeout=120) == want
+        took = wait_for(lambda: ray.get(decode.nixl_knows(names)) == [[False] * len(names)], 30)
+        print(f"{len(names)} NIXL agents of {p_id} removed {took:.2f} s after the held read completed")
+    finally:
+        _signal(stopped, signal.SIGCONT)
+        pd.stop()
+
+
+def _engine_shm() -> set[str]:
+    return {p for p in glob.glob("/dev/shm/*") if os.path.basename(p).startswith(SHM_PREFIXES)}
+
+
+@pytest.mark.engine
+def test_a_stop_right_after_an_engine_is_killed_leaves_nothing_behind(ray_local, gdn_model):
+    """deploy.yaml's cluster (engines as plain actors, sharing the 2 cores) serves a little load; a decode engine is
+    SIGKILLed and the cluster stopped at once, before anyone has noticed the death. Within a deadline no process of
+    any engine runs, /dev/shm holds no engine file it did not hold before, and no engine TMPDIR remains."""
+    base = load_deploy(os.path.join(ROOT, "deploy.yaml")).model_dump(exclude_unset=True)
+    cfg = DeployConfig.model_validate({
+        **base,
+        "model": {**base["model"], "builtin": None, "path": str(gdn_model)},
+        "prefill": {**base["prefill"], "share_cores": True, "min_replicas": 1, "max_replicas": 1},
+        "decode": {**base["decode"], "share_cores": True, "min_replicas": 1, "max_replicas": 1},
+        "coordinator": {"name": "coordinator-leftovers", "namespace": "pd-test-leftovers"},
+        "http": {**base["http"], "port": free_port()},
+    })
+    shm_before = _engine_shm()
+    cluster = serve(cfg, progress=print, pools="actors")
+    stopped = False
+    try:
+        pids = {p for e in cluster.engines.values() for p in ray.get(e.pids(), timeout=30)}
+        tmpdirs = {ray.get(e.leftovers(), timeout=30).tmpdir for e in cluster.engines.values()}
+        assert len(tmpdirs) == len(cluster.engines) and all(map(os.path.isdir, tmpdirs))
+        prompt = [1] + list(range(3, 200))
+
+        def complete() -> int:
+            try:
+                return httpx.post(f"{cluster.url}/v1/completions", timeout=60, json={
+                    "model": cfg.model.name, "prompt": prompt, "max_tokens": 64, "ignore_eos": True}).status_code
+            except httpx.HTTPError:
+                return 0
+
+        assert complete() == 200
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            load = [pool.submit(complete) for _ in range(3)]
+            victim = next(e for e in cluster.engines if e.startswith("decode"))
+            wait_for(lambda: ray.get(cluster.engines[victim].num_unfinished()) > 0, 30)
+            kill_engine(cluster.engines[victim])
+            stop_cluster(cluster, shutdown_serve=True, progress=print)
+            stopped = True
+            concurrent.futures.wait(load, timeout=90)
+
+        def leftovers() -> list[str]:
+            procs = []
+            for pid in pids:
+                try:
+                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                        procs.append(f"process {pid}")
+                except psutil.NoSuchProcess:
+                    pass
+            return procs + sorted(_engine_shm() - shm_before) + sorted(t for t in tmpdirs if os.path.exists(t))
+
+        left: list[str] = []
+        try:
+            took = wait_for(lambda: not left.__setitem__(slice(None), leftovers()) and not left, 60, poll_s=0.5)
+        except AssertionError:
+            raise AssertionError(f"left behind 60 s after the stop: {left}") from None
+        print(f"nothing of the {len(pids)} engine processes, their shared memory and TMPDIRs left {took:.2f} s after "
+              "the stop")
+    finally:
+        if not stopped:
+            stop_cluster(cluster, shutdown_serve=True, progress=print)
+
