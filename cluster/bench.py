@@ -1,4 +1,4 @@
-"""`python -m cluster bench {e2e,prefix,transfer,scale}` (and load, serve, faults): each measures its candidates side by side in one run and prints
+"""`python -m cluster bench {e2e,prefix,transfer,scale}` (and load, serve, faults, soak): each measures its candidates side by side in one run and prints
 ratios (these machines are shared and noisy). Results go to results/bench_<name>.json and a PNG plot next to it.
 
 - e2e: the tiny hybrid model served colocated (the decode engine alone runs the whole request) and disaggregated
@@ -40,13 +40,11 @@ async def _ttft(stream_factory) -> tuple[float, float, int]:
 async def _pair(model_dir, p_tp: int, d_tp: int, engine_kwargs: dict | None = None):
     """A coordinator, one prefill and one decode engine, registered, and a router over them: yields (prefill client,
     decode client, router, the engines' startup seconds); everything stops afterwards."""
-    import ray
-
-    from actors.coordinator import CoordinatorActor
+    from actors.coordinator_client import CoordinatorClient
     from actors.engine import launch_engine_actor, stop_engine_actors
     from actors.router import Router
 
-    coord = CoordinatorActor.remote()
+    coord = CoordinatorClient.start()
     (P, ps), (D, ds) = (
         launch_engine_actor(model_dir, p_tp, role="prefill", engine_id=f"bench-p{p_tp}", engine_kwargs=engine_kwargs),
         launch_engine_actor(model_dir, d_tp, role="decode", engine_id=f"bench-d{d_tp}", engine_kwargs=engine_kwargs),
@@ -58,7 +56,7 @@ async def _pair(model_dir, p_tp: int, d_tp: int, engine_kwargs: dict | None = No
         yield P, D, Router(coord), startup
     finally:
         stop_engine_actors([P, D])
-        ray.kill(coord)
+        coord.kill()
 
 
 async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: int, max_tokens: int, concurrency: int = 8) -> dict:
@@ -466,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--api-key-env", help="environment variable holding the API key")
     for p in (e, t, pf, c, lo):
         p.add_argument("--out-dir", default="results")
-    from cluster import bench_faults, bench_goodput, bench_prefix, bench_serve
+    from cluster import bench_faults, bench_goodput, bench_prefix, bench_serve, bench_soak
 
     sv = sub.add_parser("serve", help="vLLM's own bench client: this cluster vs vLLM's server vs vLLM's stock P/D")
     bench_serve.add_args(sv)
@@ -477,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_prefix.add_args(pr)
     fa = sub.add_parser("faults", help="an engine or the coordinator SIGKILLed under streaming load, per scenario")
     bench_faults.add_args(fa)
+    so = sub.add_parser("soak", help="the deployment's cluster under mixed streaming traffic with a fault every minute: "
+                        "nothing failed, nothing left behind")
+    bench_soak.add_args(so)
     args = ap.parse_args(argv)
     out_dir = Path(args.out_dir)
 
@@ -486,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_goodput.main(args)
     if args.which == "faults":
         return bench_faults.main(args)
+    if args.which == "soak":
+        return bench_soak.main(args)
     if args.which == "prefix-routing":
         return bench_prefix.main(args)
 
