@@ -69,39 +69,49 @@ def _is_resource_tracker(p: psutil.Process) -> bool:
         return False
 
 
-def _shm_paths(procs: list[psutil.Process]) -> set[str]:
-    """Shared-memory files that `procs` have mapped or open and that an engine creates (SHM_PREFIXES), matched by
-    inode: glibc's sem_open creates a semaphore under a temporary name and links it to its own, so a process's maps
-    show "/dev/shm/sem.XXXXXX (deleted)", never the "sem.mp-..." name that stays behind (one per engine, until
-    reboot, when matched by name)."""
+def shm_inodes(pids: Any) -> set[int]:
+    """Inodes of the /dev/shm files the processes `pids` have mapped or open. By inode: glibc's sem_open creates a
+    semaphore under a temporary name and links it to its own, so a process's maps show "/dev/shm/sem.XXXXXX
+    (deleted)", never the "sem.mp-..." name that stays behind."""
     held: set[int] = set()
-    for p in procs:
+    for pid in pids:
         try:
-            with open(f"/proc/{p.pid}/maps") as maps:
+            with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     fields = line.split(maxsplit=5)
                     if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
                         held.add(int(fields[4]))
-            for fd in os.listdir(f"/proc/{p.pid}/fd"):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
-                    if os.readlink(f"/proc/{p.pid}/fd/{fd}").startswith("/dev/shm/"):
-                        held.add(os.stat(f"/proc/{p.pid}/fd/{fd}").st_ino)
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                        held.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
                 except OSError:  # closed meanwhile
                     pass
-        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
             continue
-    paths: set[str] = set()
+    return held
+
+
+def engine_shm_files() -> dict[int, str]:
+    """The /dev/shm files an engine's processes create (SHM_PREFIXES), by inode."""
+    out: dict[int, str] = {}
     try:
         names = [n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)]
     except FileNotFoundError:
-        return paths
+        return out
     for name in names:
         try:
-            if os.stat(f"/dev/shm/{name}").st_ino in held:
-                paths.add(f"/dev/shm/{name}")
+            out[os.stat(f"/dev/shm/{name}").st_ino] = f"/dev/shm/{name}"
         except OSError:  # removed meanwhile
             pass
-    return paths
+    return out
+
+
+def _shm_paths(procs: list[psutil.Process]) -> set[str]:
+    """Shared-memory files that `procs` have mapped or open and that an engine creates (SHM_PREFIXES), matched by
+    inode (`shm_inodes`: matched by name, a semaphore was never found, and one stayed behind per engine)."""
+    held = shm_inodes(p.pid for p in procs)
+    return {path for ino, path in engine_shm_files().items() if ino in held}
 
 
 class ProcessesMixin:

@@ -324,26 +324,6 @@ def shm_files() -> set[str]:
         return set()
 
 
-def _shm_inodes(pids: list[str] | list[int]) -> set[int]:
-    """Inodes of the /dev/shm files the processes `pids` have mapped or open. By inode: glibc's sem_open creates a
-    semaphore under a temporary name and links it to its own, so /proc/<pid>/maps shows "/dev/shm/sem.XXXXXX
-    (deleted)", never the "sem.mp-..." name."""
-    held: set[int] = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    if "/dev/shm/" in line:
-                        held.add(int(line.split()[4]))
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
-                        held.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
-            continue
-    return held
-
-
 def _by_inode(paths: set[str]) -> dict[int, str]:
     out = {}
     for path in paths:
@@ -353,16 +333,20 @@ def _by_inode(paths: set[str]) -> dict[int, str]:
 
 
 def shm_held(paths: set[str]) -> set[str]:
-    """Those of `paths` (/dev/shm files) that some live process - anyone's - has mapped or open (`_shm_inodes`). A
-    file nobody holds is an orphan."""
-    held = _shm_inodes([p for p in os.listdir("/proc") if p.isdigit()])
+    """Those of `paths` (/dev/shm files) that some live process - anyone's - has mapped or open
+    (`actors.engine_procs.shm_inodes`). A file nobody holds is an orphan."""
+    from actors.engine_procs import shm_inodes
+
+    held = shm_inodes([p for p in os.listdir("/proc") if p.isdigit()])
     return {path for ino, path in _by_inode(paths).items() if ino in held}
 
 
 def shm_of(pids: list[int]) -> set[str]:
     """The `shm_files` that the processes `pids` hold (an engine's, before it is faulted: semaphores included, which
     its own `leftovers` cannot see by name)."""
-    held = _shm_inodes(pids)
+    from actors.engine_procs import shm_inodes
+
+    held = shm_inodes(pids)
     return {path for ino, path in _by_inode(shm_files()).items() if ino in held}
 
 
