@@ -591,6 +591,8 @@ class Soak:
             noticed = (f"noticed after {state['noticed']:.1f} s, " if "noticed" in state else "never left the ready "
                        "engines, ")
             fresh = sorted(set(ready) - before - {engine_id})
+            if resumed is None and "noticed" in state:  # a killed engine never comes back: its id may (pools reuse it)
+                fresh = sorted(set(ready) - (before - {engine_id}))
             if fresh and len(ready) >= len(before):
                 return f"{noticed}replaced by {fresh[0]} after {time.perf_counter() - f.t:.1f} s"
             if resumed is not None and resumed() and engine_id in ready:

@@ -168,6 +168,26 @@ def test_orphans_are_new_shm_files_no_process_holds():
     assert sem in shm_of([os.getpid()])  # what a process holds, as recorded of an engine before its fault
 
 
+def test_a_killed_engine_replaced_under_its_own_id_counts_as_replaced():
+    """Pools hand a dead engine's id to its replacement ("prefill-0" again): once the death was noticed, an engine
+    ready under that id is the replacement (the 20-minute soak called two recovered kills "not seen")."""
+    import time
+
+    from cluster.bench_soak import Fault, Soak
+
+    soak = Soak.__new__(Soak)  # its aftermath check only: no cluster
+    ready = {"prefill": ["prefill-0"]}
+    soak.ready = lambda role: list(ready[role])
+    fault = Fault.__new__(Fault)
+    fault.t = time.perf_counter()
+    check = soak._engine_aftermath(fault, "prefill-0", {"prefill-0"})
+    assert check() is None  # not noticed yet: the dead engine still listed
+    ready["prefill"] = []
+    assert check() is None  # noticed, nothing ready
+    ready["prefill"] = ["prefill-0"]
+    assert check().startswith("noticed after") and "replaced by prefill-0" in check()
+
+
 # ---- live --------------------------------------------------------------------------------------------------------------
 @pytest.mark.engine
 def test_live_soak_a_decode_engine_and_a_front_end_killed_nothing_failed_nothing_left(ray_local, gdn_model, tmp_path):
