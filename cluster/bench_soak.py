@@ -239,47 +239,18 @@ async def traffic(url: str, model: str, clients: int, duration_s: float, request
     """`clients` loops of streamed completions (`cluster.loadgen`'s request and classes), mixed prompt and output
     lengths, until `duration_s` is over; each request is appended to `requests`. Returns the loadgen result with
     every request's latencies."""
-    import httpx
+    from cluster.loadgen import run_load
 
-    from cluster.loadgen import LoadResult, _one
+    def answered(one: Any, wait: float | None) -> float | None:
+        start, end, kind = one.timeline[0]
+        reason = one.errors[0] if one.errors else None
+        if kind == "refused_4xx" and reason and reason.startswith("refused_4xx: HTTP 429"):
+            kind, wait = "refused_429", retry_after_s  # admission control said "not now" (loadgen counts it a 4xx)
+        requests.append(Request(start, end, kind, reason))
+        return wait
 
-    total = LoadResult()
-    rng = random.Random(seed)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.perf_counter() + duration_s
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-
-    async def loop(client: httpx.AsyncClient) -> None:
-        while time.perf_counter() < deadline:
-            n, max_tokens = rng.randint(*PROMPT_TOKENS), rng.choice(OUTPUT_TOKENS)
-            body = {"model": model, "prompt": [1] + [rng.randrange(3, 1000) for _ in range(n)], "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            one = LoadResult()  # this request alone: its outcome, reason and times
-            wait = await _one(client, url, body, one)
-            start, end, kind = one.timeline[0]
-            reason = one.errors[0] if one.errors else None
-            if kind == "refused_4xx" and reason and reason.startswith("refused_4xx: HTTP 429"):
-                kind, wait = "refused_429", retry_after_s  # admission control said "not now" (loadgen counts it a 4xx)
-            requests.append(Request(start, end, kind, reason))
-            _merge(total, one)
-            if wait is not None:  # honour Retry-After with jitter, as loadgen's clients do
-                await asyncio.sleep(min(max(wait, 0.05) * rng.uniform(0.5, 1.5), max(0.0, deadline - time.perf_counter())))
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, headers=headers) as client:
-        await asyncio.gather(*(loop(client) for _ in range(clients)))
-    total.wall_s = time.perf_counter() - t0
-    return total
-
-
-def _merge(total: Any, one: Any) -> None:
-    total.requests += one.requests
-    for k, v in one.outcomes.items():
-        total.outcomes[k] += v
-    total.lost += one.lost
-    total.tokens += one.tokens
-    for name in ("errors", "ttft_s", "itl_s", "timeline", "ttft_at", "itl_at"):
-        getattr(total, name).extend(getattr(one, name))
+    return await run_load(url, model, clients, duration_s, max_tokens=tuple(OUTPUT_TOKENS),
+                          prompt_tokens=tuple(PROMPT_TOKENS), api_key=api_key, seed=seed, on_answer=answered)
 
 
 async def burst(url: str, model: str, n: int = BURST_REQUESTS, api_key: str | None = None,

@@ -22,7 +22,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -49,6 +49,16 @@ class LoadResult:
     itl_at: list[float] = field(default_factory=list)
     tokens: int = 0
     wall_s: float = 0.0
+
+    def merge(self, one: "LoadResult") -> None:
+        """Add another result's requests (one request's, run into a result of its own) to this one."""
+        self.requests += one.requests
+        for k, v in one.outcomes.items():
+            self.outcomes[k] += v
+        self.lost += one.lost
+        self.tokens += one.tokens
+        for name in ("errors", "ttft_s", "itl_s", "timeline", "ttft_at", "itl_at"):
+            getattr(self, name).extend(getattr(one, name))
 
     @property
     def ok(self) -> int:
@@ -139,10 +149,14 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: L
     return None
 
 
-async def run_load(url: str, model: str, clients: int = 32, duration_s: float = 60.0, max_tokens: int = 32,
-                   prompt_tokens: tuple[int, int] = (16, 400), api_key: str | None = None, seed: int = 0) -> LoadResult:
+async def run_load(url: str, model: str, clients: int = 32, duration_s: float = 60.0,
+                   max_tokens: int | tuple[int, ...] = 32, prompt_tokens: tuple[int, int] = (16, 400),
+                   api_key: str | None = None, seed: int = 0,
+                   on_answer: Callable[[LoadResult, float | None], float | None] | None = None) -> LoadResult:
     """`clients` concurrent loops, each sending one streamed request after another until `duration_s` is over
-    (requests in flight then finish; none is started after)."""
+    (requests in flight then finish; none is started after). `max_tokens`: a number, or choices drawn per request.
+    `on_answer(its result, Retry-After)`: told each request's own result as it ends; returns the seconds to wait
+    before the next request (`bench soak` classifies each request and waits after a 429)."""
     res = LoadResult()
     rng = random.Random(seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -152,9 +166,15 @@ async def run_load(url: str, model: str, clients: int = 32, duration_s: float = 
     async def loop(client: httpx.AsyncClient) -> None:
         while time.perf_counter() < deadline:
             n = rng.randint(*prompt_tokens)
-            body = {"model": model, "prompt": [1] + [rng.randrange(3, 1000) for _ in range(n)], "max_tokens": max_tokens,
+            out = rng.choice(max_tokens) if isinstance(max_tokens, tuple) else max_tokens
+            body = {"model": model, "prompt": [1] + [rng.randrange(3, 1000) for _ in range(n)], "max_tokens": out,
                     "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            wait = await _one(client, url, body, res)
+            if on_answer is None:
+                wait = await _one(client, url, body, res)
+            else:
+                one = LoadResult()  # this request alone, for the hook
+                wait = on_answer(one, await _one(client, url, body, one))
+                res.merge(one)
             if wait is not None:  # honour Retry-After (at least 50 ms), with jitter: clients must not come back in lockstep
                 await asyncio.sleep(min(max(wait, 0.05) * rng.uniform(0.5, 1.5), max(0.0, deadline - time.perf_counter())))
 
