@@ -39,13 +39,19 @@ from typing import Any, AsyncIterator
 
 import zmq
 
-from actors.engine_client import EngineClient, error_text
+from actors.engine_client import HEALTH_TIMEOUT_S, EngineClient, error_text
 
 log = logging.getLogger("pd.channel")
 SOCKET_BACKLOG = 10_000  # decode-channel messages a front end may leave unread on the socket before its channel ends
 HELLO_TIMEOUT_S = 10.0  # a decode engine must reach a new channel's local socket within this
 NODE_TIMEOUT_S = 10.0  # an engine that does not say which node it runs on within this gets the Ray stream
-STALL_S = 10.0  # a decode stream (or a prefill) silent this long has its engine's health asked; a hung one fails over
+STALL_S = 5.0  # a decode stream (or a prefill) silent this long has its engine's health asked; a hung one fails over
+
+
+def probe_timeout_s(stall_s: float) -> float:
+    """How long a stalled stream's (or prefill's) health question may take: an engine's actor answers it from
+    memory within milliseconds, even mid-step; one that does not within this is counted slow (twice in a row: hung)."""
+    return min(HEALTH_TIMEOUT_S, max(stall_s, 3.0))
 
 
 @dataclass(frozen=True)
@@ -188,8 +194,9 @@ class DecodeChannel:
     async def _watchdog(self) -> None:
         """A hung engine sends nothing and its Ray stream stays open: while requests wait on the channel and nothing
         has come for `stall_s`, ask the engine's health; if it is failed (not stepping) or dead - or does not answer
-        its health twice in a row - end the channel: its requests fail over as for a dead engine. A healthy (busy)
-        engine is asked again after another `stall_s`. Late outputs, should it continue, reach no inbox."""
+        its health twice in a row (asked again at once after the first miss) - end the channel: its requests fail over
+        as for a dead engine. A healthy (busy) engine is asked again after another `stall_s`. Late outputs, should it
+        continue, reach no inbox."""
         strikes = 0  # health answers in a row that were neither healthy nor a verdict of death (slow, unreachable)
         try:
             while not self.closed:
@@ -197,10 +204,12 @@ class DecodeChannel:
                 silent = time.monotonic() - max(self.last_message, self._joined)
                 if not self.inboxes or silent < self.stall_s:
                     continue
-                verdict = await self.engine.verdict()
+                verdict = await self.engine.verdict(probe_timeout_s(self.stall_s))
                 strikes = strikes + 1 if verdict.state != "healthy" else 0
-                if not verdict.gone and strikes < 2:  # healthy (busy), or slow to answer once: ask again later
+                if strikes == 0:  # healthy (busy): asked again after another stall_s of silence
                     self.last_message = time.monotonic()
+                    continue
+                if not verdict.gone and strikes < 2:  # slow to answer once: asked again at once
                     continue
                 silent = time.monotonic() - max(self.last_message, self._joined)
                 self.error = RuntimeError(f"no output from decode engine {self.engine_id} for {silent:.0f} s, and it "

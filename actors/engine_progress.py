@@ -4,8 +4,9 @@ answers Ray, so health on those alone calls it healthy forever while its request
 
 The watch asks the EngineCore a trivial question (the free-block count, a utility call) once a second. vLLM's
 EngineCore answers utility calls between steps, so the answer takes at most one step: a question outstanding for
-longer than `threshold_s` - the slowest answer seen so far, twice, plus `PD_ENGINE_STALL_S` (default 30 s: one step of
-vLLM-CPU's default batch, thousands of prompt tokens, can take seconds on a larger model) - means the engine is not
+longer than `threshold_s` - the slowest answer seen so far, twice, plus `PD_ENGINE_STALL_S` (default 10 s: one step of
+vLLM-CPU's default batch, thousands of prompt tokens, can take seconds on a larger model; the first such step teaches
+the watch how slow a step gets) - means the engine is not
 stepping. `stalled()` says so; the engine's health turns false, the coordinator takes it out of every
 pair, and its pool's replica is replaced. Answered from the actor's memory: a health question never waits on the
 EngineCore."""
@@ -23,7 +24,7 @@ PROBE_INTERVAL_S = 1.0
 
 
 def stall_margin_s() -> float:
-    return float(os.environ.get("PD_ENGINE_STALL_S", "30"))
+    return float(os.environ.get("PD_ENGINE_STALL_S", "10"))
 
 
 class ProgressWatch:

@@ -81,7 +81,8 @@ class FrontendSettings:
     local_prefill_queue: int | None = None
     local_prefill_when_idle: bool = False
     routing_policy: str = "cache"
-    stall_timeout_s: float = 10.0
+    stall_timeout_s: float = 5.0
+    failover_wait_s: float = 90.0
     replicas: int = 1  # front ends of this deployment on the port (they share it)
 
 
@@ -602,7 +603,8 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any, replica: 
     metrics = ServiceMetrics()
     router = Router(coordinator, first_token_from_prefill=settings.first_token_from_prefill,
                     local_prefill_queue=settings.local_prefill_queue,
-                    local_prefill_when_idle=settings.local_prefill_when_idle, policy=settings.routing_policy, stall_s=settings.stall_timeout_s)
+                    local_prefill_when_idle=settings.local_prefill_when_idle, policy=settings.routing_policy,
+                    stall_s=settings.stall_timeout_s, failover_wait_s=settings.failover_wait_s)
     client = cluster_engine_client(vllm_config, router, metrics)
     tasks = await client.get_supported_tasks()
     app = build_app(args, tasks, vllm_config.model_config)
@@ -794,7 +796,8 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
             "routing": dict(router.decisions), "routing_views": router.views, "routing_view_seconds": router.view_seconds,
             "routing_view_failures": router.view_failures,
             "scaling": desc.get("pools", {}), "colocated": dict(router.colocated), "degraded": router.degraded,
-            "failed_over": router.failed_over, "first_from_prefill": router.first_from_prefill,
+            "failed_over": router.failed_over, "waited_for_capacity": router.waited_for_capacity,
+            "first_from_prefill": router.first_from_prefill,
             "stale_routed": router.stale_routed, "local_prefill": router.local_prefill}
 
 

@@ -41,7 +41,7 @@ from collections import Counter
 from typing import Any, AsyncIterator
 
 from actors.coordinator_client import CoordinatorClient
-from actors.decode_channel import STALL_S, DecodeChannel, DecodeError
+from actors.decode_channel import STALL_S, DecodeChannel, DecodeError, probe_timeout_s
 from actors.engine_client import EngineClient, Prefilled, error_text
 from actors.failover import FAILOVERS, continuation_params, continuation_refused, first_token_refused, is_delta
 from cluster.core.prefix import EngineView, choose_decode, choose_prefill, prefill_cost
@@ -55,6 +55,8 @@ ROUTES_FALLBACK_AFTER_S = 1.0
 ROUTES_STALE_S = 300.0  # ... for at most this long after the last answer; then requests get 503
 PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
 VIEW_TIMEOUT_S = 0.5  # an engine's `resumable` answer later than this: routed as if it held nothing
+FAILOVER_WAIT_S = 90.0  # a stream failing over that finds no engine waits this long for one (routing.failover_wait_s)
+CAPACITY_POLL_S = 0.5
 
 
 async def _awaitable(ref: Any) -> Any:
@@ -113,9 +115,11 @@ class Router:
 
     def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True,
                  local_prefill_queue: int | None = None, local_prefill_when_idle: bool = False,
-                 policy: str = "cache", stall_s: float = STALL_S):
+                 policy: str = "cache", stall_s: float = STALL_S, failover_wait_s: float = FAILOVER_WAIT_S):
         if stall_s <= 0:
             raise ValueError(f"stall_s must be > 0, not {stall_s!r}")
+        if failover_wait_s < 0:
+            raise ValueError(f"failover_wait_s must be >= 0, not {failover_wait_s!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if decode_transport not in TRANSPORTS:
@@ -125,6 +129,8 @@ class Router:
         self.coordinator = CoordinatorClient.of(coordinator)
         self.policy = policy
         self.stall_s = stall_s
+        self.failover_wait_s = failover_wait_s
+        self.waited_for_capacity = 0  # streams failing over that found no engine and waited for one to join
         self.decode_transport = decode_transport
         self.first_token_from_prefill = first_token_from_prefill
         self.local_prefill_queue = local_prefill_queue
@@ -245,6 +251,7 @@ class Router:
         prefer_not: set[str] = set()
         sent: list[int] = []  # tokens already given to the caller (delta outputs)
         attempt = failed_over = 0
+        wait_until: float | None = None  # set once a failover found no engine: the end of its wait
         while True:
             # the engines' request id: unique per attempt whatever the caller's id (a client may reuse its
             # X-Request-Id; two requests with one id on an engine would share outputs and aborts)
@@ -263,6 +270,18 @@ class Router:
                             sent += list(out.outputs[0].token_ids)
                         yield out
                 return
+            except NoCapacity as e:
+                # a request that has sent nothing is refused at once (503: its client can retry it); a stream
+                # failing over cannot be retried by its client: it waits for an engine to join (a replacement)
+                if pair is not None or not sent:
+                    raise
+                if wait_until is None:
+                    wait_until = time.monotonic() + self.failover_wait_s
+                    self.waited_for_capacity += 1
+                    log.warning("request %s: %s; waiting up to %g s for an engine", rid, e, self.failover_wait_s)
+                if not await self._capacity(avoid, wait_until):
+                    raise NoCapacity(f"{e} (waited {self.failover_wait_s:g} s for an engine to join)") from None
+                continue
             except EngineFailure as e:
                 verify = e.phase == "verify"
                 if not verify:
@@ -285,6 +304,30 @@ class Router:
                     self.retried += 1
                     log.warning("request %s: %s; retrying on another pair", rid, e)
                 (prefer_not if verify else avoid).add(e.engine_id)
+
+    async def _capacity(self, avoid: set[str], until: float) -> bool:
+        """Wait until an engine outside `avoid` (those that failed this request) is ready (True), or `until` passes
+        (False). An engine of `avoid` that leaves the coordinator's lists and is listed again has registered anew - a
+        replacement under the same id - and is taken off `avoid`."""
+        left: set[str] = set()
+        while True:
+            try:
+                routes = await self.routes()
+                listed = set(routes).union(*routes.values()) | set(await self._ask("ready", "decode"))
+            except CoordinatorUnavailable:
+                listed = None  # restarting: asked again
+            if listed is not None:
+                left |= avoid - listed
+                for engine_id in left & listed:  # a new engine: nothing held for the old one applies to it
+                    avoid.discard(engine_id)
+                    left.discard(engine_id)
+                    self._engines.pop(engine_id, None)
+                    self._channels.pop(engine_id, None)
+                if listed - avoid:
+                    return True
+            if time.monotonic() >= until:
+                return False
+            await asyncio.sleep(CAPACITY_POLL_S)
 
     def _forget(self, engine_id: str) -> None:
         """Drop what is cached about an engine that failed a request: its client, and its channel only if that broke
@@ -443,7 +486,7 @@ class Router:
     async def _prefilled(self, prefill: EngineClient, ref: Any) -> Prefilled:
         """A prefill's answer. Every `stall_s` without one the engine's health is asked: an engine found failed (not
         stepping: `actors.engine_progress`) or dead raises `_Stuck` at once, one that does not answer its health
-        (slow, unreachable) twice in a row too, as does no answer within `prefill_timeout_s`; a busy, healthy engine is
+        (slow, unreachable) twice in a row (the second asked at once) too, as does no answer within `prefill_timeout_s`; a busy, healthy engine is
         waited for."""
         waiting = asyncio.ensure_future(_awaitable(ref))
         t0 = time.monotonic()
@@ -453,10 +496,11 @@ class Router:
                 left = self.prefill_timeout_s - (time.monotonic() - t0)
                 if left <= 0:
                     raise _Stuck(f"no answer within {self.prefill_timeout_s:.0f} s")
-                done, _ = await asyncio.wait({waiting}, timeout=min(self.stall_s, left))
+                # after a health question went unanswered, the next is asked at once
+                done, _ = await asyncio.wait({waiting}, timeout=min(self.stall_s if not strikes else 0.1, left))
                 if done:
                     return waiting.result()
-                verdict = await prefill.verdict()
+                verdict = await prefill.verdict(probe_timeout_s(self.stall_s))
                 strikes = strikes + 1 if verdict.state != "healthy" else 0
                 if verdict.gone or strikes >= 2:
                     raise _Stuck(f"no answer for {time.monotonic() - t0:.0f} s and the engine is {verdict.why}")

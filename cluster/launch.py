@@ -443,6 +443,7 @@ def frontend_settings(cluster: Cluster):
         local_prefill_queue=cfg.transfer.local_prefill_queue,
         local_prefill_when_idle=cfg.transfer.local_prefill_when_idle, routing_policy=cfg.routing.policy,
         stall_timeout_s=cfg.routing.stall_timeout_s,
+        failover_wait_s=cfg.routing.failover_wait_s,
         max_requests_in_flight=cfg.http.max_requests_in_flight, max_queued_requests=cfg.http.max_queued_requests,
         max_n=cfg.http.max_n, replicas=cfg.http.replicas,
     )

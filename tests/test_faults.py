@@ -341,12 +341,17 @@ async def run_decode(decode, prompt, sampling, params, rid):
     return out, err
 
 
-def test_with_the_prefill_pool_dead_decode_engines_serve_whole_requests_then_503(served):
+def test_with_the_prefill_pool_dead_decode_engines_serve_whole_requests_then_503(served, gdn_model):
     """The only prefill engine is dead (killed by the test before): the decode engine runs requests whole - 200s with
-    the output it gives alone, /health 200 "degraded", counted in /metrics. Once the last decode engine dies too,
-    requests get 503 + Retry-After (not a hang or a 500) and /health turns 503."""
+    the output it gives alone, /health 200 "degraded", counted in /metrics. Then the last decode engine dies under a
+    stream: new requests get 503 + Retry-After at once (not a hang or a 500) and /health turns 503, while the stream,
+    which its client cannot retry, waits for an engine (`routing.failover_wait_s`); once a new one registers it goes
+    on there and ends token for token as the decode engine alone gives it."""
     url = served.url
     (decode_id, decode), = [(e, h) for e, h in served.engines.items() if e.startswith("decode")]
+    # the engine that will join once nothing serves: it boots meanwhile, and registers only when told
+    replacement, started = launch_engine_actor(gdn_model, 1, role="prefill", engine_id="prefill-9", served_model=MODEL,
+                                               name=f"{ENGINE_PREFIX}prefill-9", namespace="pd-test-faults")
     prompts = [[1] + [(11 * i + j) % 900 + 3 for j in range(30 + 50 * i)] for i in range(4)]
     want = [ray.get(decode.generate(prompt_token_ids=p, max_tokens=8, ignore_eos=True))["text"] for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -360,6 +365,27 @@ def test_with_the_prefill_pool_dead_decode_engines_serve_whole_requests_then_503
     assert float(metric(metrics, 'pd_requests_colocated_total{role="decode"}')) >= len(prompts)
     assert float(metric(metrics, 'pd_degraded{role="decode"}')) == 1
 
+    long_prompt = [1] + list(range(5, 200))
+    long_want = ray.get(decode.generate(prompt_token_ids=long_prompt, max_tokens=160, ignore_eos=True))["text"]
+    events: list[dict] = []
+    ended: list[str] = []
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 160, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line.removeprefix("data: ")))
+                    elif line == "data: [DONE]":
+                        ended.append("done")
+        except Exception as e:  # noqa: BLE001 - reported by the assertions
+            ended.append(f"{type(e).__name__}: {e}")
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    wait_for(lambda: len(events) >= 10, 60)
     children = kill_engine(served, decode_id)
     t0 = time.monotonic()
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=60)
@@ -369,3 +395,19 @@ def test_with_the_prefill_pool_dead_decode_engines_serve_whole_requests_then_503
     print(f"last engine dead: 503 after {time.monotonic() - t0:.2f} s, /health 503")
     assert reap(children) == []
     served.engines.pop(decode_id)
+    time.sleep(2)
+    assert reader.is_alive() and not ended, f"the stream ended while no engine could take it: {ended}"
+    waiting = len(events)
+    ray.get(started)
+    ray.get(replacement.register(served.coordinator))
+    served.engines["prefill-9"] = replacement
+    joined = time.monotonic()
+    reader.join(timeout=180)
+    print(f"the stream waited {joined - t0:.1f} s with {waiting} events sent, then ended {time.monotonic() - joined:.2f} s "
+          f"after an engine joined: {ended}")
+    assert ended == ["done"], ended
+    assert all("error" not in e for e in events), [e for e in events if "error" in e][:1]
+    assert "".join(e["choices"][0]["text"] for e in events) == long_want
+    metrics = httpx.get(f"{url}/metrics").text
+    assert float(metric(metrics, "pd_requests_waited_for_engine_total")) >= 1
+    assert float(metric(metrics, 'pd_requests_colocated_total{role="prefill"}')) >= 1

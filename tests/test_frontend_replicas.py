@@ -48,6 +48,21 @@ def infos(cluster) -> list[dict]:
     return ray.get([f.info.remote() for f in cluster.frontends], timeout=30)
 
 
+def all_serving(cluster) -> bool:
+    try:
+        return all(i["serving"] for i in infos(cluster))
+    except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return False  # one is still restarting
+
+
+def exited(pid: int) -> bool:
+    """The process is gone or a zombie (its sockets closed)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 def health(url: str) -> dict | None:
     """/health over a new connection (the kernel picks the replica per connection); None when nothing answers."""
     try:
@@ -100,9 +115,13 @@ def test_a_killed_frontend_restarts_while_the_other_serves(served):
         before = infos(served)[0]
         killed_at = time.monotonic()
         os.kill(before["pid"], signal.SIGKILL)
+        # a connection made while the process is dying may land in its listening socket's queue and be reset with it
+        # (as the requests in flight on it are): the port is held to answering from the moment the process is gone
+        wait_for(lambda: exited(before["pid"]), 30, poll_s=0.05)
         answers = []
         while True:  # the port keeps answering while replica 0 is away
-            answers.append(health(served.url))
+            t = time.monotonic()
+            answers.append((round(t - killed_at, 1), health(served.url), round(time.monotonic() - t, 2)))
             try:
                 now = infos(served)[0]
             except Exception:  # noqa: BLE001 - restarting
@@ -118,9 +137,11 @@ def test_a_killed_frontend_restarts_while_the_other_serves(served):
         for t in clients:
             t.join(timeout=90)
         watcher.join(timeout=30)
-    print(f"front end 0 back after {back_after:.1f} s; {len(answers)} /health answers meanwhile; said: {said}")
+    print(f"front end 0 back after {back_after:.1f} s; {len(answers)} /health answers meanwhile, the slowest in "
+          f"{max(a[2] for a in answers):.2f} s; said: {said}")
     assert now["restarts"] == before["restarts"] + 1
-    assert all(a is not None and a["code"] == 200 for a in answers), "the port stopped answering /health"
+    bad = [a for a in answers if a[1] is None or a[1]["code"] != 200]
+    assert not bad, f"the port did not answer /health (s after the kill, answer, s it took): {bad}"
     failed = [o for o in outcomes if o[2] != "ok"]
     print(f"{len(outcomes)} requests, failed: {failed}")
     # only requests in flight on the killed process may fail: at most one per client, all begun before the kill
@@ -138,7 +159,7 @@ def test_every_frontend_killed_comes_back(served):
         os.kill(i["pid"], signal.SIGKILL)
     took = wait_for(lambda: (h := health(served.url)) is not None and h["code"] == 200, 180, poll_s=0.5)
     print(f"/health answered again {took:.1f} s after both front ends were killed")
-    wait_for(lambda: all(i["serving"] for i in infos(served)), 180, poll_s=0.5)
+    wait_for(lambda: all_serving(served), 180, poll_s=0.5)
     after = infos(served)
     assert [a["restarts"] for a in after] == [b["restarts"] + 1 for b in before]
     with openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=60) as c:

@@ -3,8 +3,9 @@
 (a mock, for faults too slow or racy to cause for real here): an engine stopped under a request (vLLM's finish_reason
 "abort", what a scale-down past its drain timeout does), a state read that failed ("error"), an engine gone between
 the coordinator's answer and the call. Never a short answer reported as a success; a failure before the first token
-is retried once on a pair without the engine at fault. The real versions: tests/test_disagg_gdn.py (a read racing a
-prefill engine's departure) and tests/test_autoscale.py (scale-down with requests in flight)."""
+is retried once on a pair without the engine at fault; a failover that finds no engine waits for one to join. The real
+versions: tests/test_disagg_gdn.py (a read racing a prefill engine's departure), tests/test_autoscale.py (scale-down
+with requests in flight) and tests/test_faults.py (the last engine killed under a stream, a new one joining)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from actors.engine_client import Prefilled
-from actors.router import EngineFailure, Router
+from actors.router import EngineFailure, NoCapacity, Router
 
 
 def _ready(value):
@@ -127,9 +128,59 @@ def test_an_error_from_an_engine_serving_whole_requests_is_that_engines_failure(
     coordinator.routes = SimpleNamespace(remote=lambda: _ready({"p": []}))
     coordinator.ready = SimpleNamespace(remote=lambda role: _ready(["p"] if role == "prefill" else []))
     router = Router(coordinator)
-    with pytest.raises(Exception, match="no prefill or decode engine is registered and ready"):
+    with pytest.raises(NoCapacity, match="no prefill or decode engine is registered and ready$"):
+        asyncio.run(collect(router))  # nothing was sent: refused at once (its client can retry), no wait
+    assert coordinator.reported == ["p"] and router.retried == 1 and router.waited_for_capacity == 0
+
+
+class ChangingCoordinator(FakeCoordinator):
+    """No prefill engine; the decode engines `decodes` lists (a test changes it), each served by `engines`."""
+
+    def __init__(self, engines: dict[str, FakeEngine], decodes: list[str]):
+        super().__init__(engines, [])
+        self.decodes = decodes
+        self.routes = SimpleNamespace(remote=lambda: _ready({}))
+        self.ready = SimpleNamespace(remote=lambda role: _ready(list(self.decodes) if role == "decode" else []))
+
+
+def test_a_failover_that_finds_no_engine_waits_for_one_to_join():
+    """The only engine stops under a stream after one token (the prefill pool is empty): the stream, which its
+    client cannot retry, is not failed - it waits for an engine. The pool's replacement registers under the dead
+    engine's own id (pools reuse ids): once that id has left the lists and is listed again it is a new engine, and
+    the stream goes on there. Meanwhile a new request is refused at once (503: its client can retry)."""
+    coordinator = ChangingCoordinator({"d": FakeEngine([tokens(5), ABORT])}, ["d"])
+    router = Router(coordinator, failover_wait_s=30)
+
+    async def scenario():
+        stream = asyncio.ensure_future(collect(router))
+        await asyncio.sleep(0.3)
+        assert not stream.done()
+        coordinator.decodes[:] = []  # the dead engine is taken out
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(NoCapacity, match="no prefill or decode engine") as refused:
+            await collect(router)
+        assert asyncio.get_running_loop().time() - t0 < 0.2 and "waited" not in str(refused.value)
+        await asyncio.sleep(0.6)
+        assert not stream.done()
+        coordinator.engines["d"] = FakeEngine([tokens(6, finish="length")])  # its replacement registers
+        coordinator.decodes[:] = ["d"]
+        return await asyncio.wait_for(stream, 5)
+
+    outs = asyncio.run(scenario())
+    assert [t for o in outs for t in o["token_ids"]] == [5, 6] and outs[-1]["finish_reason"] == "length"
+    assert router.waited_for_capacity == 1 and router.failed_over == 1
+    (prompt, _, _), = coordinator.engines["d"].submitted
+    assert prompt == [1, 2, 3, 5]
+
+
+def test_a_failover_waits_for_an_engine_only_so_long():
+    """The engine that failed the stream stays listed (not yet taken out) and nothing joins: after
+    `failover_wait_s` the stream ends with the error and how long it waited."""
+    coordinator = ChangingCoordinator({"d": FakeEngine([tokens(5), ABORT])}, ["d"])
+    router = Router(coordinator, failover_wait_s=0.5)
+    with pytest.raises(NoCapacity, match=r"no prefill or decode engine is registered and ready \(waited 0.5 s"):
         asyncio.run(collect(router))
-    assert coordinator.reported == ["p"] and router.retried == 1
+    assert router.waited_for_capacity == 1
 
 
 def test_failover_is_bounded():

@@ -281,11 +281,16 @@ class RoutingConfig(_Strict):
         "the prompt tokens already queued on it, so that a prefix hit wins unless its engine is overloaded, and among "
         "the decode engines approved for it the least loaded; 'load' - the least-loaded engines, prefixes ignored")
     stall_timeout_s: float = Field(
-        10.0, gt=0, le=3600, description="hung engines: a decode stream with requests waiting and no output for this "
+        5.0, gt=0, le=3600, description="hung engines: a decode stream with requests waiting and no output for this "
         "long, or a prefill unanswered this long, has its engine's health asked; if the engine is failed (its "
-        "EngineCore has not stepped for twice its slowest step plus PD_ENGINE_STALL_S, 30 s) or dead, or twice does "
-        "not answer, the requests fail over to another pair as for a dead engine, and the engine is taken out of "
-        "every pair")
+        "EngineCore has not stepped for twice its slowest step plus PD_ENGINE_STALL_S, 10 s) or dead, or twice in a "
+        "row does not answer within max(this, 3 s), the requests fail over to another pair as for a dead engine, and "
+        "the engine is taken out of every pair")
+    failover_wait_s: float = Field(
+        90.0, ge=0, le=3600, description="a stream failing over (its engine failed after tokens were sent) while no "
+        "engine can take it - the pool that lost it is empty until its replacement joins: it waits this long for a "
+        "ready engine, then fails with the error; a replacement under the failed engine's id is used once it has "
+        "registered anew. A request that has sent nothing is answered 503 at once instead (its client can retry it)")
 
 
 class DeployConfig(_Strict):

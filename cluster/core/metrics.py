@@ -129,6 +129,8 @@ class _ClusterCollector:
                 ("pd_requests_retried", "retried", "Requests retried on another pair after an engine failure"),
                 ("pd_requests_failed_over", "failed_over", "Streams continued on another pair after their engine "
                  "failed mid-stream"),
+                ("pd_requests_waited_for_engine", "waited_for_capacity", "Streams failing over that found no "
+                 "ready engine and waited for one to join (routing.failover_wait_s)"),
                 ("pd_requests_on_last_routes", "stale_routed", "Requests routed on the coordinator's last routes "
                  "while it did not answer (restarting)"),
                 ("pd_first_tokens_from_prefill", "first_from_prefill", "Requests whose first token the prefill "
