@@ -843,7 +843,8 @@ class HTTPFrontend:
             error = f"{type(self._boot.exception()).__name__}: {self._boot.exception()}"
         serving = bool(self.server is not None and self.server.started and self.task is not None and not self.task.done())
         return {"pid": os.getpid(), "replica": self.replica, "restarts": self.restarts, "url": self.url,
-                "serving": serving, "started_at": self.started_at, "error": error}
+                "node_ip": ray.util.get_node_ip_address(), "serving": serving, "started_at": self.started_at,
+                "error": error}
 
     async def _start(self, settings: FrontendSettings) -> str:
         import uvicorn
@@ -853,21 +854,22 @@ class HTTPFrontend:
         normal_priority("HTTP front end")  # every token crosses this process: not at Ray's worker niceness
         coordinator = CoordinatorClient.named(settings.coordinator_name, settings.namespace)
         app, self.client = await build_frontend(settings, coordinator, replica=self.replica)
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+        bind = bind_host(settings.host)
+        config = uvicorn.Config(app, host=bind, port=settings.port, log_level="warning", access_log=False,
                                 lifespan="on", timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
         try:
-            sock = listening_socket(settings.host, settings.port, shared=settings.replicas > 1)
+            sock = listening_socket(bind, settings.port, shared=settings.replicas > 1)
         except OSError as e:
-            raise RuntimeError(f"the HTTP server could not listen on {settings.host}:{settings.port}: {e} (is the port "
+            raise RuntimeError(f"the HTTP server could not listen on {bind}:{settings.port}: {e} (is the port "
                                "taken?)") from None
         self.task = asyncio.get_running_loop().create_task(self._serve(settings, sock))
         while not self.server.started:
             if self.task.done():
                 self.task.result()
-                raise RuntimeError(f"the HTTP server on {settings.host}:{settings.port} stopped while starting")
+                raise RuntimeError(f"the HTTP server on {bind}:{settings.port} stopped while starting")
             await asyncio.sleep(0.05)
-        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        host = f"[{bind}]" if ":" in bind else bind
         self.url = f"http://{host}:{settings.port}"
         if self.restarts:
             log.warning("HTTP front end replica %d restarted (restart %d): serving again on %s", self.replica,
@@ -891,6 +893,15 @@ class HTTPFrontend:
         if self.client is not None:
             await self.client.health.stop()
         _forget_starts(self.replica)
+
+
+NODE_HOST = "node"  # http.host: the address Ray knows this node by
+
+
+def bind_host(host: str) -> str:
+    """The address to bind for `http.host`: as given, or for "node" this node's address as Ray knows it (the
+    cluster's own network: each node's front end on its own address, none on every interface)."""
+    return ray.util.get_node_ip_address() if host == NODE_HOST else host
 
 
 def listening_socket(host: str, port: int, *, shared: bool) -> Any:

@@ -46,6 +46,8 @@ class Cluster:
     url: str | None = None
     pool_apps: list[str] = field(default_factory=list)  # Serve applications of the pools ("serve" mode)
     frontends: list[Any] = field(default_factory=list)  # the HTTP front ends' actors, by replica index (start_http)
+    frontend_nodes: list[str] = field(default_factory=list)  # the Ray node id of each front end, by replica index
+    urls: list[str] = field(default_factory=list)  # each node's front-end URL (http.location every_node: several)
 
     def refresh_engines(self) -> dict[str, EngineClient]:
         """The engines registered with the coordinator now (pools grow and shrink): {engine id: client}."""
@@ -451,63 +453,100 @@ def frontend_settings(cluster: Cluster):
 
 def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:
     """Start the HTTP front ends (vLLM's OpenAI server over the cluster, `actors.frontend`): `http.replicas` processes
-    on this node, all on http.host:http.port; returns the base URL. Ray restarts one that dies, on this node, and it
-    serves again by itself (`watch_frontends` says so)."""
+    on this node (`http.location` head) or on every node alive now (every_node), all on http.host:http.port of their
+    node; returns the base URL of this node's (`Cluster.urls` has every node's). Ray restarts one that dies, on its
+    node, and it serves again by itself (`watch_frontends` says so)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors.frontend import FRONTEND_ACTOR, HTTPFrontend, listening_socket
+    from actors.frontend import FRONTEND_ACTOR, HTTPFrontend, bind_host, listening_socket
 
     cfg = cluster.cfg
     t0 = time.monotonic()
     try:  # a port held by anything else (another deployment's replicas too) is refused here, not joined
-        listening_socket(cfg.http.host, cfg.http.port, shared=False).close()
+        listening_socket(bind_host(cfg.http.host), cfg.http.port, shared=False).close()
     except OSError as e:
-        raise RuntimeError(f"http.port: cannot listen on {cfg.http.host}:{cfg.http.port}: {e} (is the port taken?)") from None
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        raise RuntimeError(f"http.port: cannot listen on {bind_host(cfg.http.host)}:{cfg.http.port}: {e} (is the port "
+                           "taken?)") from None
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [here]
+    if cfg.http.location == "every_node":
+        nodes += sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
     settings = frontend_settings(cluster)
-    for replica in range(cfg.http.replicas):
-        cluster.frontends.append(HTTPFrontend.options(
-            name=f"{FRONTEND_ACTOR}-{cfg.coordinator.name}-{replica}", namespace=cfg.coordinator.namespace,
-            scheduling_strategy=here).remote(settings, replica))
+    for node in nodes:
+        for _ in range(cfg.http.replicas):
+            replica = len(cluster.frontends)
+            cluster.frontends.append(HTTPFrontend.options(
+                name=f"{FRONTEND_ACTOR}-{cfg.coordinator.name}-{replica}", namespace=cfg.coordinator.namespace,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(settings, replica))
+            cluster.frontend_nodes.append(node)
     try:
-        cluster.url = ray.get([f.start.remote() for f in cluster.frontends], timeout=300)[0]
+        ray.get([f.start.remote() for f in cluster.frontends], timeout=300)
+        infos = ray.get([f.info.remote() for f in cluster.frontends], timeout=60)
     except BaseException:
         _stop_frontend(cluster, progress)
         raise
+    cluster.urls = list(dict.fromkeys(reachable_url(i["url"], i["node_ip"]) for i in infos))
+    cluster.url = cluster.urls[0]
     cluster.timings["http_s"] = time.monotonic() - t0
     n = len(cluster.frontends)
-    progress(f"HTTP front end{f's ({n} processes sharing the port)' if n > 1 else ''} (vLLM's OpenAI server over the "
-             f"cluster) up in {cluster.timings['http_s']:.0f} s: {cluster.url}")
+    where = f" on each of {len(nodes)} nodes" if len(nodes) > 1 else ""
+    shared = f" ({cfg.http.replicas} processes sharing the port{where})" if cfg.http.replicas > 1 else where
+    progress(f"HTTP front end{'s' if n > 1 else ''}{shared} (vLLM's OpenAI server over the cluster) up in "
+             f"{cluster.timings['http_s']:.0f} s: {', '.join(cluster.urls)}")
     return cluster.url
+
+
+def reachable_url(url: str, node_ip: str) -> str:
+    """A front end's URL as a client elsewhere would use it: an unspecified bind address (0.0.0.0, ::) becomes the
+    address of the front end's node."""
+    for unspecified in ("//0.0.0.0:", "//[::]:"):
+        if unspecified in url:
+            host = f"[{node_ip}]" if ":" in node_ip else node_ip
+            return url.replace(unspecified, f"//{host}:")
+    return url
 
 
 def _stop_frontend(cluster: Cluster, progress: Callable[[str], None]) -> None:
     import ray
 
     frontends, cluster.frontends = cluster.frontends, []
-    stops = {f: f.stop.remote() for f in frontends}
-    for frontend, ref in stops.items():
-        try:
-            ray.get(ref, timeout=60)
-        except Exception as e:  # noqa: BLE001 - keep shutting the rest down
-            progress(f"could not stop an HTTP front end cleanly: {e}")
+    nodes, cluster.frontend_nodes = cluster.frontend_nodes, []
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    # one on a node that is gone cannot answer (nor be restarted): only killed, so that Ray forgets it
+    stops = {f: f.stop.remote() for i, f in enumerate(frontends) if i >= len(nodes) or nodes[i] in alive}
+    for frontend in frontends:
+        if frontend in stops:
+            try:
+                ray.get(stops[frontend], timeout=60)
+            except Exception as e:  # noqa: BLE001 - keep shutting the rest down
+                progress(f"could not stop an HTTP front end cleanly: {e}")
         ray.kill(frontend, no_restart=True)
 
 
 def watch_frontends(cluster: Cluster, stop: Any, progress: Callable[[str], None] = say,
                     interval_s: float = 2.0) -> None:
-    """Say when a front end dies and when it serves again (Ray restarts it), until `stop` is set."""
+    """Say when a front end dies and when it serves again (Ray restarts it), or that it went with its node, until
+    `stop` is set."""
     import ray
 
     known: dict[int, dict[str, Any]] = {}  # replica -> its last info
     down_since: dict[int, float] = {}
+    gone: set[int] = set()  # replicas whose node died: nothing will restart them
     while not stop.wait(interval_s):
         for replica, frontend in enumerate(list(cluster.frontends)):
+            if replica in gone:
+                continue
             try:
                 info = ray.get(frontend.info.remote(), timeout=max(interval_s, 5.0))
             except Exception as e:  # noqa: BLE001 - dead, or restarting
-                if replica not in down_since:
+                node = cluster.frontend_nodes[replica] if replica < len(cluster.frontend_nodes) else None
+                if node is not None and node not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
+                    gone.add(replica)
+                    down_since.pop(replica, None)
+                    progress(f"HTTP front end {replica} went with its node {node[:12]}; the other nodes' front ends "
+                             "serve")
+                elif replica not in down_since:
                     down_since[replica] = time.monotonic()
                     progress(f"HTTP front end {replica} is down ({type(e).__name__}); Ray is restarting it")
                 continue

@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from cluster.bench_soak import (FAULTS, Request, add_args, broken_connection, burst_counts, check_n_too_large,
+from cluster.bench.soak import (FAULTS, Request, add_args, broken_connection, burst_counts, check_n_too_large,
                                 fault_schedule, idle_baselines, lost_with_frontend, orphans, parse_faults, problems,
                                 shm_files, shm_held, shm_of, soak_config, tally)
 
@@ -168,12 +168,36 @@ def test_orphans_are_new_shm_files_no_process_holds():
     assert sem in shm_of([os.getpid()])  # what a process holds, as recorded of an engine before its fault
 
 
+def test_the_watch_outlives_a_look_that_fails():
+    """The coordinator restarting (a kill-coordinator fault) makes the registry unanswerable for a while: the watch
+    says so once and looks again, and goes on checking the faults' aftermath (in the 20-minute soak an unanswered
+    look ended the watch, and every later replacement went "not seen")."""
+    import threading
+
+    from cluster.bench.soak import Soak
+
+    soak = Soak.__new__(Soak)
+    soak.t0, soak.stop, said, looks = 0.0, threading.Event(), [], []
+
+    def check_pending():
+        looks.append(len(looks))
+        if len(looks) in (2, 3):
+            raise RuntimeError("the actor is restarting")
+        if len(looks) >= 6:
+            soak.stop.set()
+
+    soak.check_pending, soak.sample_idle, soak.progress = check_pending, lambda: None, said.append
+    soak.watch()
+    assert len(looks) >= 6
+    assert len(said) == 1 and "could not look (RuntimeError: the actor is restarting)" in said[0]
+
+
 def test_a_killed_engine_replaced_under_its_own_id_counts_as_replaced():
     """Pools hand a dead engine's id to its replacement ("prefill-0" again): once the death was noticed, an engine
     ready under that id is the replacement (the 20-minute soak called two recovered kills "not seen")."""
     import time
 
-    from cluster.bench_soak import Fault, Soak
+    from cluster.bench.soak import Fault, Soak
 
     soak = Soak.__new__(Soak)  # its aftermath check only: no cluster
     ready = {"prefill": ["prefill-0"]}
@@ -195,7 +219,7 @@ def test_live_soak_a_decode_engine_and_a_front_end_killed_nothing_failed_nothing
     (its pool replaces it), a front end at 40 s (Ray restarts it), an n-too-large request at 60 s."""
     import socket
 
-    from cluster.bench_soak import run_soak
+    from cluster.bench.soak import run_soak
     from cluster.core.config import load_deploy
 
     with socket.socket() as s:

@@ -332,7 +332,7 @@ def test_a_pools_step_budget_reaches_its_engines(tmp_path):
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "192.168.1.2", "fe80::1", "pd-head.example.org",
-                                  "127.0.0.1.example.org"])
+                                  "127.0.0.1.example.org", "node"])
 def test_a_host_beyond_loopback_without_an_api_key_is_refused(tmp_path, host):
     """Refused naming http.host and http.api_key_env - unless a key is set (by variable name or in the file), or
     the dangerous opt-out is."""
@@ -351,6 +351,24 @@ def test_a_host_beyond_loopback_without_an_api_key_is_refused(tmp_path, host):
 def test_loopback_hosts_need_no_api_key(tmp_path, host):
     cfg = load_deploy(write(tmp_path, {"http": {"host": host}}))
     assert cfg.http.host == host and cfg.http.api_key is None and not cfg.http.allow_unauthenticated
+
+
+def test_front_ends_on_every_node(tmp_path):
+    """http.location: head (default) or every_node, nothing else; a front end's URL for clients elsewhere names its
+    node where it binds every interface; "node" binds the node's own address."""
+    from actors.frontend import bind_host
+    from cluster.launch import reachable_url
+
+    assert DeployConfig().http.location == "head"
+    assert load_deploy(write(tmp_path, {"http": {"location": "every_node"}})).http.location == "every_node"
+    with pytest.raises(DeployError, match="http.location: .*'head' or 'every_node'"):
+        load_deploy(write(tmp_path, {"http": {"location": "everywhere"}}))
+    assert reachable_url("http://0.0.0.0:8000", "10.0.0.12") == "http://10.0.0.12:8000"
+    assert reachable_url("http://[::]:8000", "fd00::12") == "http://[fd00::12]:8000"
+    assert reachable_url("http://10.0.0.12:8000", "10.0.0.12") == "http://10.0.0.12:8000"
+    assert reachable_url("http://127.0.0.1:8000", "10.0.0.12") == "http://127.0.0.1:8000"
+    assert bind_host("127.0.0.1") == "127.0.0.1"
+    assert bind_host("node") not in ("node", "") and bind_host("node").count(".") == 3
 
 
 def test_admission_and_n_limits_have_defaults_and_bounds(tmp_path):

@@ -91,7 +91,7 @@ def test_rows_refuse_a_read_outside_the_local_regions():
 def test_transfer_bench_builds_the_connectors_rows():
     """`bench transfer` measures the connector's reads: its descriptors are the connector's rows."""
     from actors.connector import PlannedPullWorker
-    from actors.transfer_bench import TransferSide
+    from cluster.bench.transfer_side import TransferSide
 
     cfg = load_config(MODELS["qwen3.5-35b-a3b"])
     shape, sdtype = model_shape(cfg), ssm_dtype(cfg, "bfloat16")

@@ -1,7 +1,7 @@
 """The code's layers and the one direction its imports run, read from the source (every import statement, the ones
 inside functions included):
 
-    cluster/*.py     entry points: the launcher, `python -m cluster` (plan, bench), the benchmark clients
+    cluster/*.py, cluster/bench/   entry points: the launcher, `python -m cluster` (plan, bench), the benchmarks
       -> actors/     the Ray runtime: engine, coordinator, pool and front-end actors, the router, the connector
         -> cluster/core/   the pure core: shapes, layouts, planner, registry, deploy config, wire format
 

@@ -18,7 +18,7 @@ import ray
 
 from actors.engine import free_port
 from actors.engine_procs import SHM_PREFIXES
-from cluster.bench_faults import kill_engine
+from cluster.bench.faults import kill_engine
 from cluster.core.config import DeployConfig, load_deploy
 from cluster.launch import serve, stop_cluster
 from tests.pd_helpers import PDCluster, decode_stream, wait_for

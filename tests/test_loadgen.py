@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from actors.engine import free_port
-from cluster.loadgen import run_load
+from cluster.bench.loadgen import run_load
 
 KINDS = ["retry_after", "bad_request", "complete", "error_event", "server_error", "bare_503", "truncated"]
 

@@ -3,12 +3,13 @@ network namespaces of the test's own, joined by a bridge (veth pairs, addresses 
 The prefill pool is placed on one node and the decode pool on another (`placement.labels`), and NIXL is told to
 use TCP over the namespaces' veth interface (`env: UCX_TLS, UCX_NET_DEVICES`), so the state crosses the bridge
 instead of same-host shared memory (checked with the interface's byte counters). The cluster is started with
-`ray job submit` onto the head node (token authentication on, Ray 2.60's default), as the README documents it; the
-test is an HTTP client on loopback.
+`ray job submit` onto the head node (token authentication on, Ray 2.60's default), as the README documents it, with a
+front end on every node (`http.location: every_node`), each on its node's address (`http.host: node`, an API key);
+the test is an HTTP client of each.
 
 Then the decode node is removed (every process in its namespace SIGKILLed): streams in flight continue on the
 prefill engine (degraded mode), new requests are answered, `/health` says degraded, nothing hangs and the surviving
-prefill engine holds no blocks for the dead requests. Last, `ray job stop` shuts the cluster down: the launcher's
+prefill engine holds no blocks for the dead requests; the decode node's front end went with it, the others serve. Last, `ray job stop` shuts the cluster down: the launcher's
 clean-up runs to its end, no engine process is left, the HTTP endpoint is gone.
 
 Needs root (network namespaces); traffic goes only to addresses inside the namespaces this test made."""
@@ -50,6 +51,8 @@ IFACE = "pd0"  # the veth end inside each namespace (UCX_NET_DEVICES names it)
 START_TIMEOUT_S = 600
 MAX_TOKENS = 300  # per stream of the node-removal test: long enough to be cut in the middle
 IDS = {"return_tokens_as_token_ids": True, "ignore_eos": True}  # logprobs name each token "token_id:<id>"
+API_KEY = secrets.token_hex(16)  # the front ends listen beyond loopback (on the bridge): the key is required
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def ray_cli(args: list[str], env: dict[str, str], timeout: float = 120) -> str:
@@ -184,7 +187,7 @@ def nodes(gdn_model, tmp_path_factory):
             "decode": {"tp": 2, "placement": {"labels": {"pd-node": "decode"}}, "env": ucx},
             "coordinator": {"name": "pd-coordinator", "namespace": NAMESPACE},
             "transfer": {"verify": "all"},  # every byte that crossed the bridge checked against the prefill side's
-            "http": {"port": port},
+            "http": {"port": port, "host": "node", "api_key": API_KEY, "location": "every_node"},
         }))
         # the launcher's clean-up after a node's death waits up to 60 s on Serve for the dead node's replica
         out = ray_cli(["job", "submit", "--address", jobs, "--working-dir", ".", "--no-wait",
@@ -200,7 +203,9 @@ def nodes(gdn_model, tmp_path_factory):
             assert time.monotonic() - t0 < START_TIMEOUT_S, f"not serving after {START_TIMEOUT_S} s:\n{logs()[-4000:]}"
             time.sleep(3)
         print(f"job {job_id} serving after {time.monotonic() - t0:.0f} s:\n{logs()}")
-        yield {"hosts": hosts, "env": env, "url": f"http://127.0.0.1:{port}", "job": job, "logs": logs}
+        urls = {name: f"http://{ip}:{port}" for name, ip in
+                (("head", hosts.head_ip), ("prefill", hosts.ip("prefill")), ("decode", hosts.ip("decode")))}
+        yield {"hosts": hosts, "env": env, "url": urls["head"], "urls": urls, "job": job, "logs": logs}
     finally:
         if job_id is not None and not job["stopped"]:
             try:
@@ -254,9 +259,9 @@ print(json.dumps({{e: [ray.get(EngineClient.named(e, "{NAMESPACE}").cores()),
         for pid in vllm:
             assert all(set(c) <= set(cores) for c in thread_affinities(pid).values()), (engine_id, pid)
     nodes["idle_free"] = ask_ray(env, FREE_BLOCKS)
-    value = lambda name: float(metric(httpx.get(f"{url}/metrics").text, name))  # noqa: E731
+    value = lambda name: float(metric(httpx.get(f"{url}/metrics", headers=AUTH).text, name))  # noqa: E731
     rx0, bytes0, verified0 = hosts.rx_bytes("decode"), value("pd_transfer_bytes_total"), value("pd_transfer_verified_total")
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     batch = prompts(4)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
@@ -268,6 +273,18 @@ print(json.dumps({{e: [ray.get(EngineClient.named(e, "{NAMESPACE}").cores()),
     assert read > 0 and rx >= read, "the state did not cross the bridge"
     assert value("pd_transfer_verified_total") - verified0 == len(batch)
     assert tokenizer_ids == [oracle(p) for p in batch]
+    # a front end on every node, each on its node's address, each a router of its own over the same engines
+    answered = {}
+    for name, node_url in nodes["urls"].items():
+        health = httpx.get(f"{node_url}/health", timeout=10)
+        assert health.status_code == 200, (name, health.text)
+        answered[name] = health.json()["frontend"]
+        assert httpx.get(f"{node_url}/v1/models", timeout=10).status_code == 401  # beyond loopback: the key is required
+        out = openai.OpenAI(base_url=f"{node_url}/v1", api_key=API_KEY, max_retries=0, timeout=120).completions.create(
+            model=MODEL, prompt=batch[1], max_tokens=12, temperature=0, logprobs=0, extra_body=IDS)
+        assert [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens] == oracle(batch[1]), name
+    print(f"front ends by node: {answered}")
+    assert len(set(answered.values())) == len(nodes["urls"]), answered
 
 
 def test_removing_the_decode_node_fails_no_request(nodes):
@@ -281,7 +298,7 @@ def test_removing_the_decode_node_fails_no_request(nodes):
     received = [0] * len(batch)
 
     def stream(i: int) -> list[int]:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
         out = []
         for event in client.completions.create(model=MODEL, prompt=batch[i], max_tokens=MAX_TOKENS, temperature=0,
                                                logprobs=0, stream=True, extra_body=IDS):
@@ -304,11 +321,19 @@ def test_removing_the_decode_node_fails_no_request(nodes):
     health = httpx.get(f"{url}/health")
     print(f"/health degraded {took:.1f} s later: {health.status_code} {health.text}")
     assert health.status_code == 200
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     late = client.completions.create(model=MODEL, prompt=batch[0], max_tokens=12, temperature=0, logprobs=0,
                                       extra_body=IDS)
     assert [int(t.removeprefix("token_id:")) for t in late.choices[0].logprobs.tokens] == want[0][:12]
-    assert float(metric(httpx.get(f"{url}/metrics").text, 'pd_degraded{role="prefill"}')) == 1
+    assert float(metric(httpx.get(f"{url}/metrics", headers=AUTH).text, 'pd_degraded{role="prefill"}')) == 1
+    # the decode node's front end went with it; the prefill node's serves on, and the launcher said so
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{nodes['urls']['decode']}/health", timeout=5)
+    elsewhere = openai.OpenAI(base_url=f"{nodes['urls']['prefill']}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    out = elsewhere.completions.create(model=MODEL, prompt=batch[1], max_tokens=12, temperature=0, logprobs=0,
+                                       extra_body=IDS)
+    assert [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens] == want[1][:12]
+    wait_for(lambda: "went with its node" in nodes["logs"](), 60)
     prefill = [e for e in idle if e.startswith("prefill")]
     wait_for(lambda: {e: ask_ray(env, FREE_BLOCKS).get(e) for e in prefill} == {e: idle[e] for e in prefill}, 30)
 
@@ -339,5 +364,6 @@ def test_ray_job_stop_ends_the_cluster(nodes):
     assert "stopping engines" in logs and "done" in logs.splitlines()[-1], logs[-2000:]
     _, alive = psutil.wait_procs(engines, timeout=30)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "engine processes outlived the job"
-    with pytest.raises(httpx.TransportError):  # the job's HTTP front end went with it
-        httpx.get(f"{nodes['url']}/v1/models", timeout=5)
+    for node_url in (nodes["urls"]["head"], nodes["urls"]["prefill"]):  # the job's HTTP front ends went with it
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{node_url}/v1/models", timeout=5)

@@ -171,13 +171,21 @@ class HttpConfig(_Strict):
     """The HTTP front end: where it listens, who may use it, and how much it takes on at once."""
 
     host: str = Field("127.0.0.1", min_length=1, description="bind address; loopback unless you mean to expose it "
-                      "(anything else needs an API key, or allow_unauthenticated)")
+                      "(anything else needs an API key, or allow_unauthenticated). 'node': each front end's node's "
+                      "address as Ray knows it (with location every_node, each node's front end on the cluster's "
+                      "network rather than every interface)")
     port: int = Field(8000, ge=1, le=65535)
     replicas: int = Field(
-        1, ge=1, le=64, description="front-end processes on the launching node, all on http.port (SO_REUSEPORT: the "
-        "kernel spreads connections over them), each with its own router. Ray restarts one that dies; the others "
-        "keep serving meanwhile, so a dying front end costs only its own requests in flight. Each takes about "
-        "0.5 GiB (vLLM's app and tokenizer) and a share of a core under load")
+        1, ge=1, le=64, description="front-end processes per node that serves HTTP (http.location), all on http.port "
+        "(SO_REUSEPORT: the kernel spreads connections over them), each with its own router. Ray restarts one that "
+        "dies; the others keep serving meanwhile, so a dying front end costs only its own requests in flight. Each "
+        "takes about 0.5 GiB (vLLM's app and tokenizer) and a share of a core under load")
+    location: Literal["head", "every_node"] = Field(
+        "head", description="where front ends run (Ray Serve's proxy_location, the same two choices): 'head' - on the "
+        "launching node; 'every_node' - http.replicas on each Ray node alive at start, each on http.host:http.port of "
+        "its own node (put a load balancer or DNS over the nodes' addresses; with a loopback host each serves its "
+        "node's own clients). A node lost takes only its front ends and their requests in flight; nodes that join "
+        "later get none")
     api_key: str | None = Field(None, min_length=8, description="require `Authorization: Bearer <key>` on every route "
                                 "but /health when set")
     api_key_env: str | None = Field(None, min_length=1, description="read the API key from this environment variable")

@@ -4,7 +4,7 @@ every `--fault-every` seconds, and a check at the end that nothing was lost or l
 The cluster is the deploy file's (`--deploy`), started as `cluster.launch.serve` starts it - the pools as Ray Serve
 deployments, so a killed engine is replaced by its pool - with `--frontends` HTTP front ends sharing the port
 (`http.replicas`; 2 by default, so that one front end's death does not stop the service), in a namespace of its own.
-`--clients` streaming clients (`cluster.loadgen`'s request and outcome classes; they honour Retry-After of 503s and
+`--clients` streaming clients (`cluster.bench.loadgen`'s request and outcome classes; they honour Retry-After of 503s and
 429s) send prompts of 16-1200 tokens asking for 4, 16, 64 or 192 tokens each (`ignore_eos`), one request after
 another. Faults, from `--faults`, round-robin or at random (`--order`, `--seed`):
 
@@ -107,7 +107,7 @@ def fault_schedule(faults: list[str], every_s: float, duration_s: float, order: 
 
 @dataclass
 class Request:
-    """One request of the traffic: when it started and ended (time.perf_counter()), its outcome (`cluster.loadgen`'s
+    """One request of the traffic: when it started and ended (time.perf_counter()), its outcome (`cluster.bench.loadgen`'s
     classes, with a 429 split off as refused_429) and why, when it did not complete."""
 
     start: float
@@ -236,10 +236,10 @@ def problems(report: dict[str, Any]) -> list[str]:
 # ---- the traffic ---------------------------------------------------------------------------------------------------
 async def traffic(url: str, model: str, clients: int, duration_s: float, requests: list[Request], *,
                   api_key: str | None = None, seed: int = 0, retry_after_s: float = 2.0) -> Any:
-    """`clients` loops of streamed completions (`cluster.loadgen`'s request and classes), mixed prompt and output
+    """`clients` loops of streamed completions (`cluster.bench.loadgen`'s request and classes), mixed prompt and output
     lengths, until `duration_s` is over; each request is appended to `requests`. Returns the loadgen result with
     every request's latencies."""
-    from cluster.loadgen import run_load
+    from cluster.bench.loadgen import run_load
 
     def answered(one: Any, wait: float | None) -> float | None:
         start, end, kind = one.timeline[0]
@@ -496,13 +496,23 @@ class Soak:
                           f"(traffic so far: {sent} sent, {done} completed)")
 
     def watch(self) -> None:
-        """Until stopped: each pending fault's aftermath checked, and idle counts of new engines sampled."""
+        """Until stopped: each pending fault's aftermath checked, and idle counts of new engines sampled. A look
+        that fails (the coordinator restarting: one of the faults) is tried again at the next poll - the watch must
+        outlive every fault it watches."""
         last_sample = 0.0
+        failing: str | None = None
         while not self.stop.wait(POLL_S):
-            self.check_pending()
-            if time.monotonic() - last_sample > 5:
-                self.sample_idle()
-                last_sample = time.monotonic()
+            try:
+                self.check_pending()
+                if time.monotonic() - last_sample > 5:
+                    self.sample_idle()
+                    last_sample = time.monotonic()
+                failing = None
+            except Exception as e:  # noqa: BLE001 - said once per spell, then looked at again
+                if failing is None:
+                    self.progress(f"  +{self.rel():.0f} s the watch could not look ({type(e).__name__}: {e}); "
+                                  "looking again")
+                failing = type(e).__name__
 
     def short_pools(self) -> list[str]:
         """Pools with fewer ready engines than their min_replicas now: "prefill 0 of 1"."""
@@ -572,7 +582,7 @@ class Soak:
         return check
 
     def _kill_engine(self, f: Fault, role: str) -> None:
-        from cluster.bench_faults import kill_engine
+        from cluster.bench.faults import kill_engine
 
         engine_id, engines = self._victim(role)
         before = set(self.ready(role))
@@ -715,9 +725,9 @@ def soak_config(base: Any, frontends: int, port: int | None = None) -> Any:
 
 def run_soak(cfg: Any, args: argparse.Namespace, progress: Callable[[str], None] = say) -> dict[str, Any]:
     """Start `cfg`'s cluster (Ray must be initialised), soak it as `args` says, stop it; the report."""
-    from cluster.bench_faults import blocks_held, free_blocks
+    from cluster.bench.faults import blocks_held, free_blocks
     from cluster.launch import serve, stop_cluster
-    from cluster.loadgen import percentile_ms
+    from cluster.bench.loadgen import percentile_ms
 
     duration = args.minutes * 60
     schedule = fault_schedule(args.faults, args.fault_every, duration, args.order, args.seed)

@@ -188,7 +188,7 @@ def sample_blocks(pair, tokens: int, scattered: bool = False, pool: int = 0) -> 
 def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list[int], reps: int) -> list[dict]:
     import ray
 
-    from actors.transfer_bench import TransferSide
+    from cluster.bench.transfer_side import TransferSide
     from cluster.core.hf_config import load_config, model_shape, ssm_dtype
     from cluster.core.layout import offline_layout
     from cluster.core.planner import plan_pair, plan_request
@@ -392,7 +392,7 @@ def _plot(name: str, rows: list[dict], path: Path) -> None:
 def _load_main(args: argparse.Namespace, out_dir: Path) -> int:
     import os as _os
 
-    from cluster.loadgen import run_load
+    from cluster.bench.loadgen import run_load
 
     key = _os.environ.get(args.api_key_env) if args.api_key_env else None
     cluster = None
@@ -464,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--api-key-env", help="environment variable holding the API key")
     for p in (e, t, pf, c, lo):
         p.add_argument("--out-dir", default="results")
-    from cluster import bench_faults, bench_goodput, bench_prefix, bench_serve, bench_soak
+    from cluster.bench import faults as bench_faults, goodput as bench_goodput, prefix_routing as bench_prefix
+    from cluster.bench import serve as bench_serve, soak as bench_soak
 
     sv = sub.add_parser("serve", help="vLLM's own bench client: this cluster vs vLLM's server vs vLLM's stock P/D")
     bench_serve.add_args(sv)
