@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("build-model", help="build a tiny random-weight hybrid model with a locally trained tokenizer")
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=lambda a: __import__("cluster.core.models", fromlist=["main"]).main(a.rest))
+    b.set_defaults(func=lambda a: __import__("cluster.tiny_model", fromlist=["main"]).main(a.rest))
 
     bench = sub.add_parser("bench", help="benchmarks (e2e: colocated vs disaggregated serving)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -81,7 +81,7 @@ def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say, *, p
 
 def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     from actors.coordinator_client import CoordinatorClient
-    from cluster.core.models import ensure_model
+    from cluster.tiny_model import ensure_model
 
     model_dir = Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin)
     progress(f"model {cfg.model.name}: {model_dir}")

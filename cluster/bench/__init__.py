@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = bench_transfer(args.models.split(","), _pairs(args.pairs), [int(x) for x in args.tokens.split(",")], args.reps)
             write_results("transfer", rows, out_dir)
             return 0
-        from cluster.core.models import ensure_model
+        from cluster.tiny_model import ensure_model
 
         model_dir = ensure_model(args.model)
         rows = []

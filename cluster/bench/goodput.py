@@ -532,7 +532,7 @@ def parse_targets(text: str, known: tuple[str, ...]) -> list[str]:
 
 def deploy_model_dir(cfg: Any) -> str:
     """The deploy file's model directory (a built-in model is built on first use)."""
-    from cluster.core.models import ensure_model
+    from cluster.tiny_model import ensure_model
 
     return str(Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin))
 

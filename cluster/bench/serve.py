@@ -371,7 +371,7 @@ def round_order(targets: list[str], rounds: int) -> list[tuple[int, str]]:
 
 
 def main(args: Any) -> int:
-    from cluster.core.models import ensure_model
+    from cluster.tiny_model import ensure_model
 
     model_dir = str(ensure_model(args.model))
     out_dir = Path(args.out_dir)
