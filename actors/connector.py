@@ -241,6 +241,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         self._pd_plant: int = 0  # reads still to corrupt on purpose after they land (pd_plant_corruption)
         self._pd_noise: tuple[list[dict[str, Any]], int] | None = None  # test hook (pd_corrupt_next_read)
         self._pd_handshake_delay = 0.0  # test hook (pd_set_handshake_delay)
+        self._pd_delayed = 0  # handshakes that entered that delay (a test waits for one to be under way)
         self._pd_stale_dropped = 0  # handshakes whose agents were dropped because their plan was replaced meanwhile
         # per prefill engine: the generation of its installed plan, and the one its loaded agents were made under
         self._pd_plan_gen: dict[str, int] = {}
@@ -295,6 +296,11 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         its metadata (None of them once the pair is removed or re-negotiated, until the next read handshakes)."""
         return {name: self.nixl_wrapper.check_remote_metadata(name)
                 for name in self._remote_agents.get(prefill_engine_id, {}).values()}
+
+    def pd_delayed_handshakes(self) -> int:
+        """Test hook: how many handshakes have entered `pd_set_handshake_delay`'s delay (one is under way once this
+        grows and before its delay is over)."""
+        return self._pd_delayed
 
     def pd_stale_handshakes(self) -> int:
         """How many handshakes completed under a plan replaced while they ran (their agents were dropped)."""
@@ -471,6 +477,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             pair, remote = self._pd_pairs.get(expected_engine_id), self._pd_remote.get(expected_engine_id)
             generation = self._pd_plan_gen.get(expected_engine_id, 0)
         if self._pd_handshake_delay:  # test hook: a handshake slow after it took its plan
+            self._pd_delayed += 1
             time.sleep(self._pd_handshake_delay)
         if pair is None or remote is None:
             raise RuntimeError(
@@ -773,4 +780,4 @@ class PDWorkerExtension:
 PD_METHODS = frozenset({"pd_registration", "pd_install_pair", "pd_remove_pair", "pd_stats", "pd_release",
                         "pd_pending_sends", "pd_remote_agents", "pd_nixl_knows", "pd_set_verify", "pd_verify_poll",
                         "pd_verify_done", "pd_checksums", "pd_plant_corruption", "pd_corrupt_next_read",
-                        "pd_set_handshake_delay", "pd_stale_handshakes"})
+                        "pd_set_handshake_delay", "pd_delayed_handshakes", "pd_stale_handshakes"})

@@ -266,6 +266,10 @@ class EngineClient:
     def nixl_knows(self, agent_names: list[str]) -> "ObjectRef[list[list[bool]]]":
         return self.handle.nixl_knows.remote(agent_names)
 
+    def delayed_handshakes(self) -> "ObjectRef[list[int]]":
+        """Test hook: per decode rank, handshakes that have entered the `set_handshake_delay` delay."""
+        return self.handle.delayed_handshakes.remote()
+
     def stale_handshakes(self) -> "ObjectRef[list[int]]":
         return self.handle.stale_handshakes.remote()
 

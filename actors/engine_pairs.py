@@ -78,6 +78,11 @@ class PairsMixin:
         self._require_engine()
         await self._pd_call("pd_set_handshake_delay", seconds)
 
+    async def delayed_handshakes(self) -> list[int]:
+        """Test hook: per decode rank, handshakes that have entered the `set_handshake_delay` delay."""
+        self._require_engine()
+        return await self._pd_call("pd_delayed_handshakes")
+
     async def stale_handshakes(self) -> list[int]:
         """Per decode rank, handshakes whose agents were dropped because their pair was re-negotiated meanwhile."""
         self._require_engine()

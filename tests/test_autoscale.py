@@ -64,19 +64,24 @@ def scaled(ray_local, gdn_model):
         yield scaled
     finally:
         scaled.watch.stop()
-        if not scaled.stopped:
-            stop_cluster(cluster, shutdown_serve=True, progress=print)
+        stop_cluster(cluster, shutdown_serve=True, progress=print)
+    # every process of every engine that ever ran (those that joined and left included) is gone with the cluster
+    seen = dict(scaled.watch.pids)
+    assert len(seen) >= 2, seen
+    pids = [p for ps in seen.values() for p in ps]
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=30)
+    alive = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"engine processes of {sorted(seen)} alive after the cluster stopped: {alive}"
 
 
 @dataclass
 class Scaled:
-    """The module's cluster and what its tests keep beside it: the registry's watcher, the reference answers, and
-    whether a test already stopped the cluster."""
+    """The module's cluster and what its tests keep beside it: the registry's watcher and the reference answers.
+    Each test starts from, and leaves, one engine per pool (the pools' minimum): none depends on another's order."""
 
     cluster: Cluster
     watch: "PoolWatch"
     refs: dict[str, list[tuple[list[int], int, str]]] = field(default_factory=dict)
-    stopped: bool = False
 
 
 class PoolWatch:
@@ -249,13 +254,17 @@ def test_prefill_pool_grows_and_shrinks_alone(scaled):
     assert scaled.watch.most("decode", t0) == 1, "the decode pool grew under a prompt-heavy load"
     scale_up_breakdown(scaled.cluster, "prefill", t0)
     assert_left_cleanly(scaled, "prefill", t0)
+    assert_metrics_show(scaled, "prefill", "queued_prompt_tokens")
 
 
-def test_decode_pool_grows_alone(scaled):
-    """Short prompts with long answers: running sequences grow the decode pool; the prefill pool stays at one."""
+def test_decode_pool_grows_alone_then_shrinks_with_requests_in_flight(scaled):
+    """Short prompts with long answers: running sequences grow the decode pool; the prefill pool stays at one. Then
+    long answers keep decoding on both engines while the pool shrinks: the leaving engine finishes its requests (it
+    refuses new ones; the router sends them elsewhere), then deregisters and stops."""
+    assert scaled.watch.now("decode") == 1, "starts from the pool's minimum"
     t0 = time.time()
 
-    async def run():
+    async def grow():
         load = Load(scaled)
         load.start("hot", "short", 14)
         await until(lambda: scaled.watch.now("decode") == 2 and joined_engine_served(scaled.cluster, "decode", t0), 600,
@@ -264,49 +273,45 @@ def test_decode_pool_grows_alone(scaled):
         await load.stop("hot")
         return load
 
-    mine = checked_decisions(asyncio.run(run()), t0)
+    mine = checked_decisions(asyncio.run(grow()), t0)
     assert [(d["role"], d["direction"]) for d in mine][:1] == [("decode", "up")] and "sequences decoding" in mine[0]["reason"]
     assert all(d["role"] == "decode" for d in mine)
     assert scaled.watch.most("prefill", t0) == 1, "the prefill pool grew under a decode-heavy load"
     scale_up_breakdown(scaled.cluster, "decode", t0)
 
+    # the decode pool waits longer to shrink (downscale_delay_s 15): these requests are decoding on both engines by then
+    t1 = time.time()
 
-def test_decode_scale_down_with_requests_in_flight_loses_none(scaled):
-    """Long answers keep decoding on both engines while the pool shrinks: the leaving engine finishes its requests
-    (it refuses new ones; the router sends them elsewhere), then deregisters and stops."""
-    assert scaled.watch.now("decode") == 2, "needs the decode pool at 2 engines (test_decode_pool_grows_alone)"
-    t0 = time.time()
-
-    async def run():
+    async def shrink():
         load = Load(scaled)
         load.start("tail", "tail", 4)
-        await until(lambda: scaled.watch.now("decode") == 1 and any(l["role"] == "decode" and l["started"] >= t0
+        await until(lambda: scaled.watch.now("decode") == 1 and any(l["role"] == "decode" and l["started"] >= t1
                                                                    for l in events(scaled.cluster)["leaves"]),
                     240, "the decode pool shrinks back to 1")
         await asyncio.sleep(2)
         await load.stop("tail")
         return load
 
-    load = asyncio.run(run())
+    load = asyncio.run(shrink())
     n = load.check()
-    leave = next(l for l in events(scaled.cluster)["leaves"] if l["role"] == "decode" and l["started"] >= t0)
+    leave = next(l for l in events(scaled.cluster)["leaves"] if l["role"] == "decode" and l["started"] >= t1)
     print(f"{n} requests, all right; the leaving engine: {leave}")
     assert leave["held_at_start"]["decodes"] >= 1, "no request was in flight on the engine that left"
     assert not leave["timed_out"]
     during = [r for r in load.results if r["start"] <= leave["started"] + leave["drain_s"] and r["end"] >= leave["started"]]
     assert during, "no request overlapped the drain"
-    assert_left_cleanly(scaled, "decode", t0)
+    assert_left_cleanly(scaled, "decode", t1)
+    assert_metrics_show(scaled, "decode", "running_requests")
 
 
-def test_metrics_show_pool_sizes_and_decisions(scaled):
+def assert_metrics_show(scaled: Scaled, role: str, signal: str) -> None:
+    """/metrics: the pool back at one engine, its target one, its load signal, and a decision each way."""
     text = httpx.get(f"{scaled.cluster.url}/metrics", timeout=30).text
-    for role in ("prefill", "decode"):
-        for direction in ("up", "down"):
-            assert f'pd_scaling_decisions_total{{direction="{direction}",role="{role}"}}' in text, (role, direction)
-        assert f'pd_pool_engines{{role="{role}",state="ready"}} 1.0' in text
-        assert f'pd_pool_target_engines{{role="{role}"}} 1.0' in text
-    assert 'pd_pool_load{role="prefill",signal="queued_prompt_tokens"}' in text
-    assert 'pd_pool_load{role="decode",signal="running_requests"}' in text
+    for direction in ("up", "down"):
+        assert f'pd_scaling_decisions_total{{direction="{direction}",role="{role}"}}' in text, (role, direction)
+    assert f'pd_pool_engines{{role="{role}",state="ready"}} 1.0' in text
+    assert f'pd_pool_target_engines{{role="{role}"}} 1.0' in text
+    assert f'pd_pool_load{{role="{role}",signal="{signal}"}}' in text
     assert 'direction="down"' in text.split("pd_pool_last_scaling_decision_timestamp_seconds{")[1]
 
 
@@ -362,14 +367,3 @@ def test_a_dead_engine_is_replaced(scaled):
     new = [e for e, d in ray.get(scaled.cluster.coordinator.describe())["engines"].items() if d["role"] == "prefill"]
     print(f"{victim} killed; {new} serving {took:.0f} s later")
 
-
-def test_no_engine_process_outlives_the_cluster(scaled):
-    scaled.watch.stop()
-    seen = dict(scaled.watch.pids)
-    assert len(seen) >= 4, seen  # the two first engines and one that joined each pool
-    stop_cluster(scaled.cluster, shutdown_serve=True, progress=print)
-    scaled.stopped = True
-    pids = [p for ps in seen.values() for p in ps]
-    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=30)
-    alive = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"engine processes alive after the cluster stopped: {alive}"

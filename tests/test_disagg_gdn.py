@@ -9,6 +9,7 @@ import dataclasses
 import os
 import re
 import socket
+import time
 
 import psutil
 import pytest
@@ -585,11 +586,15 @@ def test_a_pair_renegotiated_during_its_handshake_drops_that_handshakes_agents(p
     payload = ray.get(pd.coordinator.pair_payload("prefill-tp1", "decode-tp2"))
     ray.get(decode.install_pair("prefill-tp1", payload))  # no agents loaded: the next read handshakes
     before = ray.get(decode.stale_handshakes())
+    delayed = ray.get(decode.delayed_handshakes())
     ray.get(decode.set_handshake_delay(3.0))
 
     async def renegotiated_mid_handshake():
         read = asyncio.ensure_future(run_pair(pd.router, "prefill-tp1", "decode-tp2", prompts()[2]))
-        await asyncio.sleep(1.5)  # the read's handshake is under way
+        t0 = time.monotonic()  # until the read's handshake is under way on every rank (inside its 3 s delay)
+        while min(a - b for a, b in zip(await decode.delayed_handshakes(), delayed)) < 1:
+            assert time.monotonic() - t0 < 60 and not read.done(), "the read's handshake did not start"
+            await asyncio.sleep(0.05)
         await decode.install_pair("prefill-tp1", payload)
         return await read
 
