@@ -793,8 +793,8 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
         for key in per_role:
             by_role[key][role] += getattr(engine_totals, key)
     return {"pools": pools, "transfers": totals, **by_role, "retried": router.retried,
-            "routing": dict(router.decisions), "routing_views": router.views, "routing_view_seconds": router.view_seconds,
-            "routing_view_failures": router.view_failures,
+            "routing": dict(router.choice.decisions), "routing_views": router.choice.views,
+            "routing_view_seconds": router.choice.view_seconds, "routing_view_failures": router.choice.view_failures,
             "scaling": desc.get("pools", {}), "colocated": dict(router.colocated), "degraded": router.degraded,
             "failed_over": router.failed_over, "waited_for_capacity": router.waited_for_capacity,
             "first_from_prefill": router.first_from_prefill,

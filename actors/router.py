@@ -30,10 +30,8 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
-import itertools
 import logging
 import time
 import uuid
@@ -44,7 +42,7 @@ from actors.coordinator_client import CoordinatorClient
 from actors.decode_channel import STALL_S, DecodeChannel, DecodeError, probe_timeout_s
 from actors.engine_client import EngineClient, Prefilled, error_text
 from actors.failover import FAILOVERS, continuation_params, continuation_refused, first_token_refused, is_delta
-from cluster.core.prefix import EngineView, choose_decode, choose_prefill, prefill_cost
+from actors.pair_choice import POLICIES, NoCapacity, PairChoice
 from cluster.core.verify import TRANSFER_VERIFY_FAILED
 
 log = logging.getLogger("pd.router")
@@ -54,7 +52,6 @@ COORDINATOR_TIMEOUT_S = 10.0
 ROUTES_FALLBACK_AFTER_S = 1.0
 ROUTES_STALE_S = 300.0  # ... for at most this long after the last answer; then requests get 503
 PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
-VIEW_TIMEOUT_S = 0.5  # an engine's `resumable` answer later than this: routed as if it held nothing
 FAILOVER_WAIT_S = 90.0  # a stream failing over that finds no engine waits this long for one (routing.failover_wait_s)
 CAPACITY_POLL_S = 0.5
 
@@ -65,10 +62,6 @@ async def _awaitable(ref: Any) -> Any:
 
 class _Stuck(RuntimeError):
     """An engine that stopped answering a request while alive (hung)."""
-
-
-class NoCapacity(RuntimeError):
-    """No engine (or no approved pair) can take the request now."""
 
 
 class CoordinatorUnavailable(NoCapacity):
@@ -95,13 +88,14 @@ def _is_actor_death(e: BaseException) -> bool:
 
 
 TRANSPORTS = ("auto", "ray")
-POLICIES = ("cache", "load")
+__all__ = ["CoordinatorUnavailable", "EngineFailure", "NoCapacity", "POLICIES", "Router"]
 
 
 class Router:
-    """Picks a prefill engine, then a decode engine approved for it: with `policy` "cache" by cost (`_by_cost`:
-    the prompt tokens each prefill engine would compute past the prefix it can resume, plus its queue; then the
-    least-loaded decode engine approved for it), with "load" the least-loaded of each.
+    """Runs each request on the pair `choice` (`actors.pair_choice.PairChoice`) picks: with `policy` "cache" by
+    cost (the prompt tokens each prefill engine would compute past the prefix it can resume, plus its queue; then the
+    least-loaded decode engine approved for it), with "load" the least-loaded of each; retries, failover and
+    degraded mode here.
 
     `decode_transport`: "auto" - decode outputs over a local ZeroMQ socket from engines on this node, over the Ray
     stream from the others; "ray" - always over the Ray stream. `first_token_from_prefill`: the prefill engine
@@ -120,27 +114,16 @@ class Router:
             raise ValueError(f"stall_s must be > 0, not {stall_s!r}")
         if failover_wait_s < 0:
             raise ValueError(f"failover_wait_s must be >= 0, not {failover_wait_s!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if decode_transport not in TRANSPORTS:
             raise ValueError(f"decode_transport must be one of {TRANSPORTS}, not {decode_transport!r}")
-        if local_prefill_queue is not None and local_prefill_queue < 0:
-            raise ValueError(f"local_prefill_queue must be >= 0 or None, not {local_prefill_queue!r}")
         self.coordinator = CoordinatorClient.of(coordinator)
-        self.policy = policy
+        self.choice = PairChoice(policy, local_prefill_queue, local_prefill_when_idle, self._resumable)
         self.stall_s = stall_s
         self.failover_wait_s = failover_wait_s
         self.waited_for_capacity = 0  # streams failing over that found no engine and waited for one to join
         self.decode_transport = decode_transport
         self.first_token_from_prefill = first_token_from_prefill
-        self.local_prefill_queue = local_prefill_queue
-        self.local_prefill_when_idle = local_prefill_when_idle
-        self.inflight: Counter[str] = Counter()
-        # decode engine id -> this router's disaggregated requests bound for it, from their prefill's start to their end
-        self.heading: Counter[str] = Counter()
-        self._headed_decoding: Counter[str] = Counter()  # of those, the ones already decoding (also in inflight)
         self._engines: dict[str, EngineClient] = {}
-        self._rr: collections.defaultdict[str, itertools.count] = collections.defaultdict(itertools.count)
         self._cleanup: set[asyncio.Task] = set()
         # decode engine id -> this front end's output stream from it (bound to the event loop that opened it)
         self._channels: dict[str, DecodeChannel] = {}
@@ -158,10 +141,6 @@ class Router:
         self._routes: tuple[float, dict[str, list[str]]] | None = None  # (when, the coordinator's last routes)
         self.coordinator_unreachable = False  # the last routes question went unanswered
         self.stale_routed = 0  # requests routed on the coordinator's last routes while it did not answer
-        self.decisions: Counter[str] = Counter()  # prefill engines chosen, by reason (`cluster.core.prefix`)
-        self.pending_tokens: Counter[str] = Counter()  # prefill engine id -> this router's prompt tokens routed there
-        self.view_failures = 0  # engines that did not answer `resumable` in time
-        self.views, self.view_seconds = 0, 0.0  # choices that asked the engines, and the seconds they waited
 
     async def routes(self) -> dict[str, list[str]]:
         """Ready prefill engine -> approved ready decode engines, from the coordinator; while it does not answer
@@ -205,10 +184,9 @@ class Router:
             self._engines[engine_id] = engine
         return self._engines[engine_id]
 
-    def _pick(self, candidates: list[str], role: str) -> str:
-        if not candidates:
-            raise NoCapacity("no engine available")
-        return min(self._rotated(candidates, role), key=lambda e: self.inflight[e])
+    async def _resumable(self, engine_id: str, prompt_token_ids: list[int]) -> Any:
+        """What engine `engine_id` can resume of a prompt (its own answer: `PairChoice` asks it)."""
+        return await (await self.engine(engine_id)).resumable(prompt_token_ids)
 
     async def generate(
         self,
@@ -390,41 +368,27 @@ class Router:
                 self.degraded = None
         if not prefills:
             raise NoCapacity("no prefill engine is registered and ready")
-        local_by_cache, reason = False, "load"
-        uncached = len(prompt_token_ids)  # prompt tokens the prefill engine is expected to compute
-        if pair is None and self.policy == "cache":
-            p_id, d_id, uncached, local_by_cache, reason = await self._by_cost(prompt_token_ids, prefills, prefer_not,
-                                                                              routes, avoid)
-        else:
-            p_id = pair[0] if pair else self._pick([p for p in prefills if p not in prefer_not] or prefills, "prefill")
-            decodes = [d for d in routes[p_id] if d not in avoid] if p_id in prefills else []
-            if pair and pair[1] not in decodes:
-                raise NoCapacity(f"pair {pair[0]} -> {pair[1]} is not approved by the coordinator")
-            if not decodes:
-                raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
-            d_id = pair[1] if pair else self._pick(decodes, "decode")
-        prefill, decode = await self.engine(p_id, "prefill"), await self.engine(d_id, "decode")
-        backlogged = self.local_prefill_queue is not None and self.inflight[p_id] >= self.local_prefill_queue
-        idle = self.local_prefill_when_idle and self.inflight[d_id] == 0 and self.heading[d_id] == 0
-        local = pair is None and (backlogged or idle or local_by_cache)
-        if pair is None:
-            self.decisions["local" if local else reason] += 1
-        if local:
-            # conditional disaggregation: the least-loaded prefill engine already has its queue, or the decode engine
-            # has no stream to stall; the decode engine computes this prompt in its own steps instead, with no
-            # transfer (vLLM's chunked prefill)
+        load = self.choice
+        chosen = await load.choose(prompt_token_ids, prefills, routes, avoid, prefer_not, pair)
+        p_id, d_id, uncached = chosen.prefill, chosen.decode, chosen.uncached
+        if chosen.local:
+            # conditional disaggregation: the least-loaded prefill engine already has its queue, the decode engine
+            # has no stream to stall, or it resumes more of the prompt; the decode engine computes this prompt in its
+            # own steps instead, with no transfer (vLLM's chunked prefill)
             self.local_prefill += 1
+            decode = await self.engine(d_id, "decode")
             async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, None,
                                                         continued=continued)) as outs:
                 async for out in outs:
                     yield out
             return
 
-        self.heading[d_id] += 1  # no await since the idle check: a request routed next sees this one
-        self.pending_tokens[p_id] += uncached
+        load.heading[d_id] += 1  # no await since the choice's load checks: a request routed next sees this one
+        load.pending_tokens[p_id] += uncached
         try:
+            prefill, decode = await self.engine(p_id, "prefill"), await self.engine(d_id, "decode")
             first_token = self.first_token_from_prefill and first_token_refused(params) is None
-            self.inflight[p_id] += 1
+            load.inflight[p_id] += 1
             ref = prefill.prefill(prompt_token_ids, rid, prompt_logprobs=params.prompt_logprobs,
                                   first_token=params if first_token else None, continued=continued)
             try:
@@ -437,8 +401,8 @@ class Router:
             except Exception as e:
                 raise EngineFailure("prefill", p_id, e) from None
             finally:
-                self.inflight[p_id] -= 1
-                self.pending_tokens[p_id] -= uncached
+                load.inflight[p_id] -= 1
+                load.pending_tokens[p_id] -= uncached
                 uncached = 0
             first = prefilled.first
             if first is None:
@@ -480,8 +444,8 @@ class Router:
                     out.prompt_token_ids, out.prompt_logprobs = original, None
                     yield out
         finally:
-            self.heading[d_id] -= 1
-            self.pending_tokens[p_id] -= uncached  # 0 unless the prefill never started
+            load.heading[d_id] -= 1
+            load.pending_tokens[p_id] -= uncached  # 0 unless the prefill never started
 
     async def _prefilled(self, prefill: EngineClient, ref: Any) -> Prefilled:
         """A prefill's answer. Every `stall_s` without one the engine's health is asked: an engine found failed (not
@@ -508,75 +472,6 @@ class Router:
             if not waiting.done():
                 waiting.cancel()  # the Ray call itself is cancelled by the caller (`_cancel_prefill`)
 
-    async def _by_cost(self, prompt_token_ids: list[int], prefills: list[str], prefer_not: frozenset[str] | set[str],
-                       routes: dict[str, list[str]], avoid: set[str]) -> tuple[str, str, int, bool, str]:
-        """routing.policy cache: the prefill engine of least cost (`cluster.core.prefix.choose_prefill`: its queue
-        plus the prompt past the prefix it can resume), then among the decode engines approved for it the least
-        loaded (`choose_decode`; with `local_prefill_queue` set they are asked too, and ties go to the one holding
-        most of the prompt). Each engine answers for itself (`resumable`), so every
-        front end sees one picture; the queue this router put on an engine and has not seen it report yet counts
-        too (requests routed in one burst spread instead of all taking the one hit). Returns (prefill engine, decode
-        engine, the prompt tokens the prefill engine is expected to compute, whether the decode engine should
-        prefill it itself: conditional disaggregation is on and that engine resumes a longer prefix, computing less
-        than the prefill engine's cost, and why the prefill engine was chosen: `choose_prefill`'s reason, or "only")."""
-        candidates = self._rotated([p for p in prefills if p not in prefer_not] or prefills, "prefill")
-        decodes = sorted({d for p in candidates for d in routes[p] if d not in avoid})
-        local_rule = self.local_prefill_queue is not None
-        if len(candidates) == 1 and not local_rule:  # one prefill engine: nothing to ask
-            views = {candidates[0]: EngineView(candidates[0])}
-        else:
-            # the decode engines are asked only where one may prefill the request itself: otherwise what they hold
-            # saves bytes on the wire, not compute, and asking them - the busiest actors, streaming every request's
-            # tokens - cost more in time to first token (bench prefix-routing: 9.4 ms per choice asking all four)
-            t0 = time.monotonic()
-            views = await self._views(prompt_token_ids, candidates + (decodes if local_rule else []))
-            self.view_seconds += time.monotonic() - t0
-            self.views += 1
-        n = len(prompt_token_ids)
-        p_views = [dataclasses.replace(views[p], queued_tokens=max(views[p].queued_tokens, self.pending_tokens[p]))
-                   for p in candidates]
-        p_id, reason = choose_prefill(n, p_views)
-        if len(candidates) == 1 and not local_rule:
-            reason = "only"
-        p_view = next(v for v in p_views if v.engine_id == p_id)
-        approved = self._rotated([d for d in routes[p_id] if d not in avoid], "decode")
-        if not approved:
-            raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
-        d_known = {d: views.get(d, EngineView(d)) for d in approved}  # unasked: their load as this router sees it
-        # this router's requests on each: decoding there (inflight, which includes those it prefilled itself) plus
-        # those in prefill headed there (heading, less those of them already decoding: counted once)
-        d_views = [dataclasses.replace(v, running=max(v.running, self.inflight[d]) + self.heading[d]
-                                       - self._headed_decoding[d]) for d, v in d_known.items()]
-        d_id = choose_decode(d_views)
-        d_hit = d_known[d_id].resumable.checkpoint_tokens
-        local = local_rule and d_hit > p_view.resumable.checkpoint_tokens and n - d_hit < prefill_cost(n, p_view)
-        return p_id, d_id, n - p_view.resumable.checkpoint_tokens, local, reason
-
-    async def _views(self, prompt_token_ids: list[int], engine_ids: list[str]) -> dict[str, EngineView]:
-        """Each engine's `resumable` answer; one that does not answer within VIEW_TIMEOUT_S (or has left) is seen as
-        holding nothing, with this router's own load."""
-        async def ask(engine_id: str) -> EngineView:
-            return await (await self.engine(engine_id)).resumable(prompt_token_ids)
-
-        async def one(engine_id: str) -> EngineView:
-            try:
-                return await asyncio.wait_for(ask(engine_id), VIEW_TIMEOUT_S)
-            except Exception as e:  # noqa: BLE001 - slow, gone, or failing: routed on load; its requests tell
-                self.view_failures += 1
-                log.debug("engine %s did not say what it holds: %s", engine_id, error_text(e))
-                return EngineView(engine_id)
-
-        return dict(zip(engine_ids, await asyncio.gather(*(one(e) for e in engine_ids))))
-
-    def _rotated(self, ids: list[str], role: str) -> list[str]:
-        """`ids` from a round-robin start, one rotation per pool (shared, the prefill and decode choices of
-        consecutive requests would fall in step: with two engines a pool would always start from the same one): ties
-        between equal engines go to each in turn."""
-        if not ids:
-            return ids
-        start = next(self._rr[role]) % len(ids)
-        return ids[start:] + ids[:start]
-
     async def _colocated(self, prefills: list[str], prompt_token_ids, params, rid, avoid: set[str],
                          continued: int = 0) -> AsyncIterator[Any]:
         """Degraded mode: no prefill/decode pair is ready, so one engine runs the whole request - a ready prefill
@@ -591,7 +486,7 @@ class Router:
             log.warning("degraded: no ready %s engine is paired; %s engines serve requests whole",
                         "decode" if role == "prefill" else "prefill", role)
             self.degraded = role
-        e_id = self._pick(engines, role)
+        e_id = self.choice.pick(engines, role)
         engine = await self.engine(e_id, "decode")
         self.colocated[role] += 1
         async with contextlib.aclosing(self._decode(e_id, engine, prompt_token_ids, params, rid, None,
@@ -605,9 +500,9 @@ class Router:
         """Stream one request's outputs from engine `d_id`: the decode side of a pair, reading the state `prefilled`
         describes from prefill engine `p_id`, or (prefilled None) the whole request on that one engine."""
         kv_params = prefilled.kv_transfer_params if prefilled else None
-        self.inflight[d_id] += 1
+        self.choice.inflight[d_id] += 1
         headed = prefilled is not None  # a disaggregated request: also in `heading` until its end
-        self._headed_decoding[d_id] += headed
+        self.choice.headed_decoding[d_id] += headed
         finished = streamed = False
         inbox = None
         try:
@@ -646,8 +541,8 @@ class Router:
         except Exception as e:
             raise EngineFailure("decode", d_id, e, streamed=streamed) from None
         finally:
-            self.inflight[d_id] -= 1
-            self._headed_decoding[d_id] -= headed
+            self.choice.inflight[d_id] -= 1
+            self.choice.headed_decoding[d_id] -= headed
             if inbox is not None:
                 inbox.leave()
             if not finished:  # the consumer went away, or an error: stop the decode side, free the prefill side

@@ -438,7 +438,7 @@ def test_a_backlogged_prefill_engine_leaves_the_prompt_to_the_decode_engine(pd):
     for limit, local, seed in ((1, 1, 11), (None, 0, 12)):  # new prompts each time: nothing found in a prefix cache
         two = prompts(seed=seed, lengths=(300, 280))
         router = Router(pd.coordinator, local_prefill_queue=limit, policy="load")
-        router._pick = lambda candidates, role: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
+        router.choice.pick = lambda candidates, role: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
         assert asyncio.run(run_router(router, prompts()[0])) == oracle(prompts()[0])  # routes and engines cached
         assert router.local_prefill == 0  # nothing queued: disaggregated
         ray.get(decode.transfer_stats())  # drain
@@ -458,7 +458,7 @@ def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
 
     decode = pd.engines[("decode", 1)]
     router = Router(pd.coordinator, local_prefill_when_idle=True, policy="load")
-    router._pick = lambda candidates, role: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
+    router.choice.pick = lambda candidates, role: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
     one, *two = prompts(seed=14, lengths=(290, 300, 280))  # new prompts: nothing found in a prefix cache
     ray.get(decode.transfer_stats())  # drain
     assert asyncio.run(run_router(router, one)) == oracle(one)
@@ -479,10 +479,10 @@ def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
 
     async def three():
         first = [asyncio.create_task(run_router(router, p)) for p in two]  # one local, one held in its prefill
-        await until(lambda: router.inflight["decode-tp1"] == 0 and router.heading["decode-tp1"] == 1 and
+        await until(lambda: router.choice.inflight["decode-tp1"] == 0 and router.choice.heading["decode-tp1"] == 1 and
                     router.local_prefill == 3, 60, "the local request to end while the other is held", poll_s=0.1)
         third = asyncio.create_task(run_router(router, late))
-        await until(lambda: router.heading["decode-tp1"] == 2 or router.local_prefill == 4, 60,
+        await until(lambda: router.choice.heading["decode-tp1"] == 2 or router.local_prefill == 4, 60,
                     "the third to be routed", poll_s=0.1)
         held.set()
         return await asyncio.gather(*first, third)
@@ -490,7 +490,7 @@ def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
     assert asyncio.run(three()) == [oracle(p) for p in (*two, late)]
     read = ray.get(decode.transfer_stats())
     assert router.local_prefill == 3 and len(read) == 2, (router.local_prefill, read)
-    assert sum(router.heading.values()) == 0 and sum(router.inflight.values()) == 0
+    assert sum(router.choice.heading.values()) == 0 and sum(router.choice.inflight.values()) == 0
 
 
 class _HeldPrefill:

@@ -77,7 +77,7 @@ def test_a_hung_decode_engine_fails_over_mid_stream(cl):
         params = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
         async for item in router.generate(prompt, params):
             if len(out) >= 4 and not stopped:
-                d_id = next(d for d in ("decode-a", "decode-b") if router.inflight[d])
+                d_id = next(d for d in ("decode-a", "decode-b") if router.choice.inflight[d])
                 _signal(engines[d_id], signal.SIGSTOP)
                 stopped.append(d_id)
                 t_stop = time.monotonic()
@@ -113,7 +113,7 @@ def test_a_hung_prefill_engine_is_retried_elsewhere(cl):
     live = [p for p in _routes(coordinator) if p.startswith("prefill")]
     assert len(live) == 2
     router = Router(coordinator, stall_s=STALL_S, policy="load")
-    router._pick = lambda candidates, role: sorted(candidates)[0]  # prefill-a first, whatever the rotation
+    router.choice.pick = lambda candidates, role: sorted(candidates)[0]  # prefill-a first, whatever the rotation
     _signal(engines["prefill-a"], signal.SIGSTOP)
     try:
         prompt = prompts(seed=32, lengths=(200,))[0]

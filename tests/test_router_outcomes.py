@@ -187,7 +187,7 @@ def test_failover_is_bounded():
     """Every engine stops under the request after one token: two continuations, then a clear error."""
     engines = {f"{role}{i}": FakeEngine([tokens(10 + i), ABORT]) for i in range(4) for role in ("p", "d")}
     router = Router(FakeCoordinator(engines, [(f"p{i}", f"d{i}") for i in range(4)]), policy="load")
-    router._pick = lambda candidates, role: sorted(candidates)[0]
+    router.choice.pick = lambda candidates, role: sorted(candidates)[0]
     with pytest.raises(EngineFailure, match="not continued elsewhere: it failed over too often") as e:
         asyncio.run(collect(router, max_tokens=10))
     assert e.value.streamed and router.failed_over == 2
@@ -201,7 +201,7 @@ def test_a_failed_state_read_is_retried_on_a_pair_without_that_prefill_engine():
     p1, p2 = FakeEngine([]), FakeEngine([])
     coordinator = FakeCoordinator({"p1": p1, "p2": p2, "d1": bad, "d2": good}, [("p1", "d1"), ("p2", "d2")])
     router = Router(coordinator, policy="load")
-    router._pick = lambda candidates, role: sorted(candidates)[0]  # p1 first
+    router.choice.pick = lambda candidates, role: sorted(candidates)[0]  # p1 first
     outs = asyncio.run(collect(router))
     assert [t for o in outs for t in o["token_ids"]] == [7, 8, 9] and outs[-1]["finish_reason"] == "length"
     assert router.retried == 1 and len(p1.released) == 1  # the failed attempt's blocks on p1 are let go
@@ -212,7 +212,7 @@ def test_an_engine_gone_after_the_coordinator_listed_it_is_retried():
     good = FakeEngine([tokens(4, finish="stop")])
     coordinator = FakeCoordinator({"p1": None, "p2": FakeEngine([]), "d": good}, [("p1", "d"), ("p2", "d")])
     router = Router(coordinator, policy="load")
-    router._pick = lambda candidates, role: sorted(candidates)[0]
+    router.choice.pick = lambda candidates, role: sorted(candidates)[0]
     assert [o["token_ids"] for o in asyncio.run(collect(router))] == [[4]] and router.retried == 1
 
 
@@ -233,7 +233,7 @@ def test_requests_failing_together_on_one_engine_make_one_report():
                "d2": FakeEngine([tokens(4, finish="stop")] * 6)}
     coordinator = SlowCoordinator(engines, [("p", "d"), ("p", "d2")])
     router = Router(coordinator, policy="load")
-    router._pick = lambda candidates, role: sorted(candidates)[0]  # d first: every request fails there once
+    router.choice.pick = lambda candidates, role: sorted(candidates)[0]  # d first: every request fails there once
 
     async def burst():
         return await asyncio.gather(*(collect(router) for _ in range(6)), return_exceptions=True)
@@ -248,7 +248,7 @@ def test_engines_that_left_the_routes_are_forgotten():
     d = FakeEngine([tokens(4, finish="stop")])
     coordinator = FakeCoordinator({"p": FakeEngine([]), "d": d, "d2": FakeEngine([])}, [("p", "d"), ("p", "d2")])
     router = Router(coordinator, policy="load")
-    router._pick = lambda candidates, role: sorted(candidates)[0]
+    router.choice.pick = lambda candidates, role: sorted(candidates)[0]
 
     async def run():
         outs = await collect(router)

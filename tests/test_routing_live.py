@@ -92,7 +92,7 @@ def test_turns_land_on_the_prefill_engine_holding_the_previous_turn(cl, block):
     that engine - the router says "hit", the engines' records predicted every reuse exactly, and the outputs are the
     model's rule."""
     convs = {c: [1] + words(100 + c, 300 + 90 * c) for c in range(3)}
-    before = dict(cl.cache.decisions)
+    before = dict(cl.cache.choice.decisions)
     mispredicted = cl.mispredicted()
     for t in range(4):
         for c, prompt in convs.items():
@@ -103,7 +103,7 @@ def test_turns_land_on_the_prefill_engine_holding_the_previous_turn(cl, block):
                 assert list(prefill_hits.values()) == [(len(prompt_before[c]) - 1) // block * block], (c, t, reused)
             convs[c] = prompt + out + words(1000 * t + c, 120)
         prompt_before = {c: p[:-(MAX_TOKENS + 120)] for c, p in convs.items()}
-    assert cl.cache.decisions["hit"] - before.get("hit", 0) >= 9
+    assert cl.cache.choice.decisions["hit"] - before.get("hit", 0) >= 9
     assert cl.mispredicted() == mispredicted
 
 
@@ -133,13 +133,13 @@ def test_a_hot_prefix_spreads_to_a_second_engine_under_load(cl, block):
     routed to it, until computing the whole prompt on the other engine is cheaper - some go there ("spread")."""
     prefix = [1] + words(700, 5 * block)
     turn(cl, cl.cache, prefix + words(701, 20))
-    before = dict(cl.cache.decisions)
+    before = dict(cl.cache.choice.decisions)
     prompts = [prefix + words(710 + i, 2 * block) for i in range(6)]
     t0 = cl.totals()
     outs = gather([ask(cl.cache, p) for p in prompts])
     t1 = cl.totals()
     assert outs == [oracle(p, MAX_TOKENS) for p in prompts]
-    assert cl.cache.decisions["spread"] > before.get("spread", 0)
+    assert cl.cache.choice.decisions["spread"] > before.get("spread", 0)
     computed = {e: t1[e][1] - t0[e][1] for e in PREFILLS}
     assert all(computed.values()), computed  # both prefill engines computed some of them
     # both hold the prefix's attention blocks now; a state checkpoint at its end only where a prefill stopped there
@@ -169,9 +169,9 @@ def test_an_evicted_prefix_stops_being_preferred(cl, block):
     before = cl.totals()[engine_id][0]
     gather([_pinned(cl, engine_id, probes[0])])
     assert cl.totals()[engine_id][0] == before and cl.mispredicted() == mispredicted  # vLLM evicted it too
-    decisions = dict(cl.cache.decisions)
+    decisions = dict(cl.cache.choice.decisions)
     turn(cl, cl.cache, probes[1])
-    assert cl.cache.decisions["hit"] == decisions.get("hit", 0)  # nobody holds y any more: routed on load
+    assert cl.cache.choice.decisions["hit"] == decisions.get("hit", 0)  # nobody holds y any more: routed on load
 
 
 async def _pinned(cl, prefill_id: str, prompt: list[int]) -> list[int]:
