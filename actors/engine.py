@@ -40,6 +40,7 @@ import psutil
 import ray
 
 from actors.cores import bind_this_thread, lease_cores, node_cores, normal_priority, thread_affinities, unbind_thread
+from actors.connector_ranks import ConnectorRanks
 from actors.engine_client import ENGINE_PREFIX, EngineClient, Health
 from actors.engine_load import LoadMixin
 from actors.engine_pairs import PairsMixin
@@ -179,6 +180,7 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
                                        kv_transfer_config=kv_transfer_config, engine_kwargs=engine_kwargs, role=role,
                                        engine_id=self.engine_id, device=device)
         self.engine = None
+        self.ranks = ConnectorRanks(self.engine_id, lambda: self.engine)  # its connector's workers, one per TP rank
         self.startup_s: float | None = None
         self._init_pairs()
         self._init_verify()
@@ -235,7 +237,7 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
             # a fresh engine's first forward pass is several seconds slower; pay it here, not in a user's TTFT
             await self.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=2)
             self._total_blocks = await self.free_blocks()
-            groups = (await self._pd_call("pd_registration"))[0]["layout"]["groups"]
+            groups = (await self.ranks.registration())[0]["layout"]["groups"]
             self.prefixes.start(self.engine.vllm_config, self._total_blocks, [g["kind"] for g in groups])
             self.progress = ProgressWatch(self.engine_id, self.free_blocks)
             self.progress.start()

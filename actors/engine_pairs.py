@@ -1,12 +1,14 @@
 """An engine actor's part in pairing (`PairsMixin`): its registration (every TP rank's NIXL agent metadata, region
 bases and run-time layout), the negotiated pair plans the coordinator pushes to a decode engine's workers, NIXL's
-remote agents, and the decode side's transfer records and totals. Each reaches the workers through the project's
-connector (`actors.connector.PDWorkerExtension.pd_call`)."""
+remote agents, and the decode side's transfer records and totals. Each reaches the workers through the actor's
+`ranks` (`actors.connector_ranks.ConnectorRanks`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from actors.connector_ranks import ConnectorRanks
 
 from actors.coordinator_client import CoordinatorClient
 from actors.engine_client import EngineClient, Registration
@@ -16,16 +18,13 @@ from cluster.core.metrics import TransferTotals
 UNREAD_STATS_KEPT = 4096  # per-request transfer records kept until someone reads them (the totals keep counting)
 
 
-class WorkerCallError(RuntimeError):
-    """A connector method failed on a TP rank of the engine (the message names the method, rank and error)."""
-
-
 class PairsMixin:
-    """`EngineActor`'s registration, pair plans and transfer records (needs `engine`, `engine_id`, `role`,
+    """`EngineActor`'s registration, pair plans and transfer records (needs `engine`, `engine_id`, `ranks`, `role`,
     `served_model`, `model_dir`, `draining`, `leftovers`, `_require_engine`, `_self_handle`, set by the actor)."""
 
     engine: Any
     engine_id: str
+    ranks: ConnectorRanks
 
     def _init_pairs(self) -> None:
         self._unread: list[dict[str, Any]] = []
@@ -37,19 +36,10 @@ class PairsMixin:
     async def registration(self) -> Registration:
         """What the coordinator needs (`Registration`)."""
         self._require_engine()
-        ranks = await self._pd_call("pd_registration")
+        ranks = await self.ranks.registration()
         hf_config = load_config(self.model_dir)
         return Registration(self.engine_id, self.role, self.served_model, hf_config,
                             sorted(ranks, key=lambda r: r["tp_rank"]), self.draining, self.leftovers())
-
-    async def _pd_call(self, method: str, *args: Any) -> list[Any]:
-        """A connector method on every TP rank (`PDWorkerExtension.pd_call`); the ranks' values, in rank order, or
-        WorkerCallError naming the first rank that failed."""
-        answers = await self.engine.collective_rpc("pd_call", args=(method, *args))
-        for rank, answer in enumerate(answers):
-            if "error" in answer:
-                raise WorkerCallError(f"{method} failed on TP rank {rank} of engine {self.engine_id}: {answer['error']}")
-        return [answer["ok"] for answer in answers]
 
     async def register(self, coordinator: Any, registration: Registration | None = None) -> dict[str, Any]:
         """Register with the coordinator (which pushes negotiated plans to decode engines). `registration` lets a
@@ -61,7 +51,7 @@ class PairsMixin:
     async def install_pair(self, prefill_engine_id: str, payload: str) -> list[list[int]]:
         """Give every decode worker the negotiated plan for one prefill engine."""
         self._require_engine()
-        return await self._pd_call("pd_install_pair", prefill_engine_id, payload)
+        return await self.ranks.install_pair(prefill_engine_id, payload)
 
     async def install_pairs(self, plans: list[tuple[str, str]]) -> None:
         """`install_pair` for several prefill engines at once: [(prefill engine id, payload)]."""
@@ -71,37 +61,37 @@ class PairsMixin:
     async def remote_agents(self, prefill_engine_id: str) -> list[dict[str, bool]]:
         """Per decode rank, the prefill engine's NIXL agents it has loaded (name -> NIXL still holds it)."""
         self._require_engine()
-        return await self._pd_call("pd_remote_agents", prefill_engine_id)
+        return await self.ranks.remote_agents(prefill_engine_id)
 
     async def set_handshake_delay(self, seconds: float) -> None:
         """Test hook: every decode rank's NIXL handshakes take `seconds` longer."""
         self._require_engine()
-        await self._pd_call("pd_set_handshake_delay", seconds)
+        await self.ranks.set_handshake_delay(seconds)
 
     async def delayed_handshakes(self) -> list[int]:
         """Test hook: per decode rank, handshakes that have entered the `set_handshake_delay` delay."""
         self._require_engine()
-        return await self._pd_call("pd_delayed_handshakes")
+        return await self.ranks.delayed_handshakes()
 
     async def stale_handshakes(self) -> list[int]:
         """Per decode rank, handshakes whose agents were dropped because their pair was re-negotiated meanwhile."""
         self._require_engine()
-        return await self._pd_call("pd_stale_handshakes")
+        return await self.ranks.stale_handshakes()
 
     async def nixl_knows(self, agent_names: list[str]) -> list[list[bool]]:
         """Per decode rank, whether NIXL still holds each named remote agent."""
         self._require_engine()
-        return await self._pd_call("pd_nixl_knows", list(agent_names))
+        return await self.ranks.nixl_knows(list(agent_names))
 
     async def remove_pair(self, prefill_engine_id: str) -> None:
         """The prefill engine left: its pair plan and NIXL agents go, and transfer.verify's client of it."""
         self._forget_prefill(prefill_engine_id)
         if self.engine is not None:
-            await self._pd_call("pd_remove_pair", prefill_engine_id)
+            await self.ranks.remove_pair(prefill_engine_id)
 
     async def _collect_stats(self) -> None:
         """Move the workers' new per-request transfer records here, adding them to the running totals."""
-        fresh = [s for rank in await self._pd_call("pd_stats") for s in rank]
+        fresh = [s for rank in await self.ranks.stats() for s in rank]
         self._unread = (self._unread + fresh)[-UNREAD_STATS_KEPT:]
         for s in fresh:
             if not s.get("ok", True):  # a failed read moved nothing useful

@@ -28,7 +28,7 @@ def _ranked(step: dict[int, Any]) -> list[tuple[int, float]]:
 
 class ServingMixin:
     """`EngineActor`'s requests (needs `engine`, `engine_id`, `_totals`, the load counters, transfer.verify's
-    bookkeeping and `release`/`_pd_call`, set by the actor and its other parts)."""
+    bookkeeping and `release`/`ranks`, set by the actor and its other parts)."""
 
     engine: Any
     engine_id: str
@@ -276,7 +276,7 @@ class ServingMixin:
     async def release(self, remote_request_ids: list[str]) -> list[str]:
         """Prefill side: free the blocks held for requests no decode engine will read (their decode side failed)."""
         self._require_engine()
-        freed = await self._pd_call("pd_release", list(remote_request_ids))
+        freed = await self.ranks.release(list(remote_request_ids))
         return sorted({r for rank in freed for r in rank})
 
     async def pending_sends(self, wait_s: float = 5.0) -> list[str]:
@@ -285,7 +285,7 @@ class ServingMixin:
         self._require_engine()
         deadline = time.monotonic() + wait_s
         while True:
-            held = sorted({r for rank in await self._pd_call("pd_pending_sends") for r in rank})
+            held = sorted({r for rank in await self.ranks.pending_sends() for r in rank})
             if not held or time.monotonic() >= deadline:
                 return held
             await asyncio.sleep(0.1)

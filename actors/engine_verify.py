@@ -21,7 +21,7 @@ log = logging.getLogger("pd.engine")
 
 
 class VerifyMixin:
-    """`EngineActor`'s transfer.verify (needs `engine_id`, `tp`, `_totals`, `_pd_call`, `_require_engine` and the
+    """`EngineActor`'s transfer.verify (needs `engine_id`, `tp`, `_totals`, `ranks`, `_require_engine` and the
     coordinator it registered with, set by the actor)."""
 
     engine_id: str
@@ -48,7 +48,7 @@ class VerifyMixin:
         """Verify this fraction of the requests from now on (0: off, 1: all)."""
         self._require_engine()
         fraction = verify_fraction(fraction)
-        await self._pd_call("pd_set_verify", fraction)  # the workers first: they hold a sampled read for the actor
+        await self.ranks.set_verify(fraction)  # the workers first: they hold a sampled read for the actor
         self.verify = fraction
         if fraction:  # requests submitted before the change may be read after it: watch the workers a while
             self._verify_grace_until = time.monotonic() + VERIFY_TIMEOUT_S
@@ -58,13 +58,13 @@ class VerifyMixin:
         """Test hook: flip a byte of each of the next `count` verified reads on decode rank `rank` right after it
         lands (what transfer.verify must catch)."""
         self._require_engine()
-        await self._pd_call("pd_plant_corruption", count, rank)
+        await self.ranks.plant_corruption(count, rank)
 
     async def corrupt_next_read(self, specs_by_rank: list[list[dict[str, Any]]], seed: int = 0) -> None:
         """Test hook: overwrite byte ranges of the next read that lands on each rank with noise before its request
         runs (`PlannedPullWorker.pd_corrupt_next_read`; `specs_by_rank[r]` for rank r)."""
         self._require_engine()
-        await self._pd_call("pd_corrupt_next_read", specs_by_rank, seed)
+        await self.ranks.corrupt_next_read(specs_by_rank, seed)
 
     def verify_timings(self) -> list[float]:
         """Milliseconds from a verified request's first landed read to its verdict, oldest first (drained on read)."""
@@ -92,7 +92,7 @@ class VerifyMixin:
         workers' own timeout (VERIFY_TIMEOUT_S) to fail the requests: never a pass without a check."""
         try:
             while True:
-                polls = await self._pd_call("pd_verify_poll")
+                polls = await self.ranks.verify_poll()
                 now = time.monotonic()
                 for rank, poll in enumerate(polls):
                     for entry in poll["ready"]:
@@ -105,7 +105,7 @@ class VerifyMixin:
                 if complete:
                     for req_id in complete:
                         del self._verify_parts[req_id]
-                    await self._pd_call("pd_verify_done", await self._verdicts(complete))
+                    await self.ranks.verify_done(await self._verdicts(complete))
                     continue
                 if not (self._verify_expected or self._verify_parts or any(p["pending"] for p in polls)
                         or time.monotonic() < self._verify_grace_until):
@@ -188,6 +188,6 @@ class VerifyMixin:
         cache, by item index (transfer.verify)."""
         self._require_engine()
         out: dict[int, int] = {}
-        for rank in await self._pd_call("pd_checksums", items):
+        for rank in await self.ranks.checksums(items):
             out.update(rank)
         return out

@@ -177,3 +177,40 @@ def test_every_coordinator_method_has_a_client_method():
 
     assert not remote_methods({"CoordinatorActor"}) - set(dir(CoordinatorClient)), \
         "coordinator methods CoordinatorClient does not offer"
+
+
+# ---- the connector's workers: one module names their methods -----------------------------------------------------
+def _worker_methods() -> tuple[set[str], set[str]]:
+    """(the `pd_` methods `PlannedPullWorker` defines, the names `PD_METHODS` lets `pd_call` run), read from the
+    source (importing the connector would import vLLM)."""
+    tree = ast.parse((ROOT / "actors" / "connector.py").read_text())
+    worker = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PlannedPullWorker")
+    defined = {f.name for f in worker.body if isinstance(f, ast.FunctionDef) and f.name.startswith("pd_")}
+    allowed = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "PD_METHODS")
+    return defined, {c.value for c in ast.walk(allowed.value) if isinstance(c, ast.Constant)}
+
+
+def test_every_connector_worker_method_has_a_ranks_method():
+    """`ConnectorRanks` (what the engine actor calls) and the worker's `pd_` methods (what runs on each rank) are the
+    same set, and `pd_call` runs exactly those."""
+    from actors.connector_ranks import ConnectorRanks
+
+    defined, allowed = _worker_methods()
+    ranks = {f"pd_{name}" for name in vars(ConnectorRanks) if not name.startswith("_")}
+    assert defined == allowed == ranks, (defined ^ ranks, allowed ^ ranks)
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if p.name not in ("connector.py", "connector_ranks.py")],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_but_the_ranks_names_a_worker_method(path):
+    _, allowed = _worker_methods()
+    named = [(n.lineno, n.value) for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.Constant) and n.value in allowed]
+    assert not named, f"{path.relative_to(ROOT)} names connector worker methods (call them through ConnectorRanks): {named}"
+
+
+def test_the_worker_method_check_sees_a_name():
+    _, allowed = _worker_methods()
+    source = 'async def f(self):\n    return await self._call("pd_install_pair", 1)\n'
+    assert [n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and n.value in allowed] == \
+        ["pd_install_pair"]
