@@ -257,6 +257,8 @@ class Router:
                     wait_until = time.monotonic() + self.failover_wait_s
                     self.waited_for_capacity += 1
                     log.warning("request %s: %s; waiting up to %g s for an engine", rid, e, self.failover_wait_s)
+                else:  # an engine was listed and still could not take it: look again a poll later, not at once
+                    await asyncio.sleep(CAPACITY_POLL_S)
                 if not await self._capacity(avoid, wait_until):
                     raise NoCapacity(f"{e} (waited {self.failover_wait_s:g} s for an engine to join)") from None
                 continue
