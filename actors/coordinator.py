@@ -11,7 +11,8 @@ from typing import Any
 
 import ray
 
-from actors.engine_client import ENGINE_PREFIX, HEALTH_TIMEOUT_S, EngineClient, Leftovers, Registration
+from actors.engine_client import (ENGINE_PREFIX, HEALTH_TIMEOUT_S, UNRESPONSIVE_S, EngineClient, Leftovers, Registration,
+                                  Silence)
 from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
 from cluster.core.hf_config import model_shape
 from cluster.core.layout import LayoutError, layout_from_report
@@ -25,9 +26,12 @@ log = logging.getLogger("pd.coordinator")
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class CoordinatorActor:
-    def __init__(self, namespace: str | None = None) -> None:
-        """`namespace`: where its engines live (their names start with ENGINE_PREFIX); default the job's."""
+    def __init__(self, namespace: str | None = None, unresponsive_s: float = UNRESPONSIVE_S) -> None:
+        """`namespace`: where its engines live (their names start with ENGINE_PREFIX); default the job's.
+        `unresponsive_s`: an engine that answers no health question for this long is taken out (`Silence`)."""
         self.core = Coordinator()
+        self.unresponsive_s = unresponsive_s
+        self._silence: dict[str, Silence] = {}  # engine id -> how long it has not answered
         self.clients: dict[str, EngineClient] = {}  # registered engines
         self.removed: list[dict[str, Any]] = []
         # per engine, what it leaves on its node if killed (EngineClient.leftovers); removed there once it is dead
@@ -194,6 +198,7 @@ class CoordinatorActor:
         pairs = [k for k in self.core.pairs if engine_id in k]
         self.core.deregister(engine_id)
         self.clients.pop(engine_id, None)
+        self._silence.pop(engine_id, None)
         self.leftovers.pop(engine_id, None)
         if rec.role == "prefill":  # decode engines forget the departed prefill engine's agents
             await asyncio.gather(
@@ -223,9 +228,12 @@ class CoordinatorActor:
             # right after a SIGKILL Ray says so until it has confirmed the death - ask again shortly rather than drop
             # a router's report (the periodic check may be seconds away)
             if attempt == UNAVAILABLE_RECHECKS or self.clients.get(engine_id) is not engine:
-                return False
+                break
             await asyncio.sleep(UNAVAILABLE_RECHECK_S)
-        if not verdict.gone:  # healthy, starting, or slow (a busy engine): not a death
+        # a busy engine answers slowly now and then; one silent for unresponsive_s is stuck as a whole
+        if self.clients.get(engine_id) is engine:
+            verdict = self._silence.setdefault(engine_id, Silence(self.unresponsive_s)).saw(verdict)
+        if not verdict.gone:  # healthy, starting, slow or unreachable for a while (a busy engine): not a death
             return False
         why = verdict.why
         if verdict.state == "dead":

@@ -30,12 +30,16 @@ class CoordinatorClient:
         return coordinator if isinstance(coordinator, cls) else cls(coordinator)
 
     @classmethod
-    def start(cls, **options: Any) -> "CoordinatorClient":
-        """A new coordinator actor; `options` are Ray's actor options (name, namespace, max_restarts, ...)."""
+    def start(cls, unresponsive_s: float | None = None, **options: Any) -> "CoordinatorClient":
+        """A new coordinator actor; `options` are Ray's actor options (name, namespace, max_restarts, ...).
+        `unresponsive_s`: how long an engine may answer no health question before it is taken out (default
+        `engine_client.UNRESPONSIVE_S`)."""
         from actors.coordinator import CoordinatorActor
 
-        namespace = options.get("namespace")
-        return cls(CoordinatorActor.options(**options).remote(**({"namespace": namespace} if namespace else {})))
+        kwargs: dict[str, Any] = {"namespace": options["namespace"]} if options.get("namespace") else {}
+        if unresponsive_s is not None:
+            kwargs["unresponsive_s"] = unresponsive_s
+        return cls(CoordinatorActor.options(**options).remote(**kwargs))
 
     @classmethod
     def named(cls, name: str, namespace: str) -> "CoordinatorClient":

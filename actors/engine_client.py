@@ -23,6 +23,8 @@ pools' Serve health checks): `EngineClient.verdict`.
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,7 +43,7 @@ ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>"
 CHANNEL_BACKLOG = 1000
 HEALTH_TIMEOUT_S = 10.0  # an engine slower than this to answer its health question is busy, not dead
 
-State = Literal["healthy", "starting", "failed", "dead", "unreachable", "slow"]
+State = Literal["healthy", "starting", "failed", "dead", "unreachable", "slow", "unresponsive"]
 
 
 # ---- messages -------------------------------------------------------------------------------------------------------
@@ -58,8 +60,9 @@ class Health:
 class Verdict:
     """`state`: healthy (started, its EngineCore answers) · starting (its vLLM engine is not built yet) · failed (its
     vLLM engine failed) · dead (the actor is gone) · unreachable (Ray cannot reach it right now: often a death Ray
-    has not confirmed yet, ask again shortly) · slow (no answer within the timeout: a busy engine, not a dead one).
-    `why` says it in words."""
+    has not confirmed yet, ask again shortly) · slow (no answer within the timeout: a busy engine, not a dead one) ·
+    unresponsive (slow or unreachable for longer than `Silence`'s limit: the actor itself is stuck). `why` says it
+    in words."""
 
     state: State
     why: str
@@ -67,7 +70,34 @@ class Verdict:
     @property
     def gone(self) -> bool:
         """The engine will not serve again: take it out of the cluster."""
-        return self.state in ("failed", "dead")
+        return self.state in ("failed", "dead", "unresponsive")
+
+
+UNRESPONSIVE_S = float(os.environ.get("PD_ENGINE_UNRESPONSIVE_S", "60"))
+
+
+class Silence:
+    """How long an engine has gone without answering its health: slow or unreachable verdicts in a row, from the
+    first. One busy moment is not a death (a slow answer is waited for), but an actor that answers nothing for
+    `limit_s` (SIGSTOPped whole, a wedged event loop) is `unresponsive`: it will not be trusted again - the
+    coordinator takes it out of every pair and its pool replica fails its health check, so Serve replaces it."""
+
+    def __init__(self, limit_s: float = UNRESPONSIVE_S):
+        self.limit_s = limit_s
+        self.since: float | None = None  # the first of the unanswered health questions in a row
+
+    def saw(self, verdict: "Verdict", now: float | None = None) -> "Verdict":
+        """`verdict`, or an unresponsive one once the silence has lasted longer than `limit_s`."""
+        now = time.monotonic() if now is None else now
+        if verdict.state not in ("slow", "unreachable"):
+            self.since = None
+            return verdict
+        if self.since is None:
+            self.since = now
+        if now - self.since > self.limit_s:
+            return Verdict("unresponsive", f"unresponsive: no health answer for {now - self.since:.0f} s "
+                                           f"({verdict.why})")
+        return verdict
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from ray import serve
 from actors.coordinator_client import CoordinatorClient
 from actors.cores import wait_for_cores
 from actors.engine import EngineSpec, stop_engine_actors
-from actors.engine_client import EngineClient
+from actors.engine_client import EngineClient, Silence
 
 log = logging.getLogger("ray.serve")
 METRIC_PUSH_INTERVAL_S = 1.0  # replicas push their engine's load to Serve's controller this often (Ray's default 10)
@@ -60,6 +60,8 @@ class PoolReplica:
         self.spec = spec
         self.role = spec.engine.role
         self.engine: EngineClient | None = None
+        self._silence = Silence()  # how long its engine has not answered its health
+        self._condemned: str | None = None  # why the engine will not be trusted again (then every check fails)
         self.leaving = False  # set by __del__, which Serve may call while this constructor still awaits
         t0 = time.time()
         self.coordinator = CoordinatorClient.named(spec.coordinator, spec.namespace)
@@ -102,13 +104,18 @@ class PoolReplica:
         return (await asyncio.wait_for(self.engine.load(), 5)).metrics()
 
     async def check_health(self) -> None:
-        """Fail (Serve then replaces this replica) only when the engine is dead or its vLLM engine failed; a busy
-        engine that answers slowly is not dead."""
+        """Fail (Serve then replaces this replica) when the engine is dead, its vLLM engine failed or stopped
+        stepping, or it has answered no health question for `engine_client.UNRESPONSIVE_S` (`Silence`); a busy
+        engine that answers slowly now and then is not dead. Once failed it stays failed: an engine that continues
+        (SIGCONT) after the coordinator took it out would serve nobody."""
         if self.engine is None:  # leaving
             return
-        verdict = await self.engine.verdict()
-        if verdict.gone:
-            raise RuntimeError(f"engine {self.engine_id} is {verdict.why}")
+        if self._condemned is None:
+            verdict = self._silence.saw(await self.engine.verdict())
+            if verdict.gone:
+                self._condemned = verdict.why
+        if self._condemned is not None:
+            raise RuntimeError(f"engine {self.engine_id} is {self._condemned}")
 
     async def __del__(self) -> None:
         self.leaving = True

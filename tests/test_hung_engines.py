@@ -20,12 +20,13 @@ from tests.pd_helpers import oracle, prompts
 pytestmark = pytest.mark.engine
 
 STALL_S = 2.0  # both the engines' margin (PD_ENGINE_STALL_S) and the router's silence before it asks
+UNRESPONSIVE_S = 4.0  # the coordinator's patience with an engine that answers no health question (default 60 s)
 ENGINES = ("prefill-a", "prefill-b", "decode-a", "decode-b")
 
 
 @pytest.fixture(scope="module")
 def cl(ray_local, gdn_model):
-    coordinator = CoordinatorClient.start(name="coordinator-hung")
+    coordinator = CoordinatorClient.start(name="coordinator-hung", unresponsive_s=UNRESPONSIVE_S)
     launched = {e: launch_engine_actor(str(gdn_model), 1, role=e.split("-")[0], engine_id=e,
                                        extra_env={"PD_ENGINE_STALL_S": str(STALL_S)}) for e in ENGINES}
     engines = {e: h for e, (h, _) in launched.items()}
@@ -174,3 +175,42 @@ def test_a_reader_that_stops_reading_its_ray_stream_ends_its_requests(cl):
     print(f"request ended {ended_after:.1f} s into an unread stream, after {tokens} tokens; {len(items)} items read")
     assert tokens < n, "the request decoded to its end into an unread stream"
     assert ended_after < 30
+
+
+def test_an_engine_stuck_as_a_whole_is_taken_out_and_not_trusted_again(cl):
+    """The whole engine stops, its actor process too (SIGSTOP): it answers nothing, not even its health, so it
+    cannot say it is stuck - and a silent engine is not a busy one for ever. Once it has answered no health question
+    for the coordinator's `unresponsive_s` it is taken out of every pair; a request meanwhile is retried elsewhere with
+    the model's output; when the engine continues (SIGCONT) it stays out (it serves again only by registering anew,
+    and a pool's replica fails its health check once it has been found so: Serve replaces it)."""
+    coordinator, engines = cl
+    victim = "prefill-b"  # the last prefill engine this module leaves registered
+    assert victim in ray.get(coordinator.ready("prefill")), ray.get(coordinator.ready("prefill"))
+    pids = ray.get(engines[victim].pids())  # the actor, then vLLM's processes
+    router = Router(coordinator, stall_s=STALL_S, policy="load")
+    prompt = prompts(seed=34, lengths=(120,))[0]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        out = asyncio.run(_one(router, prompt, 8))  # its prefill engine answers nothing: served elsewhere
+        served_after = time.monotonic() - t0
+        deadline = t0 + 60
+        while victim in ray.get(coordinator.ready("prefill")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        out_after = time.monotonic() - t0
+        assert victim not in ray.get(coordinator.ready("prefill")), "the silent engine was never taken out"
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    print(f"a request served {served_after:.1f} s after the whole engine stopped; taken out after {out_after:.1f} s")
+    assert out == oracle(prompt, 8)
+    why = [r["why"] for r in ray.get(coordinator.removed_engines()) if r["engine_id"] == victim]
+    assert why and why[-1].startswith("unresponsive: no health answer"), why
+    deadline = time.monotonic() + 30
+    while asyncio.run(_verdict(engines[victim])).state != "healthy" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert asyncio.run(_verdict(engines[victim])).state == "healthy"  # it answers again now
+    time.sleep(2 * STALL_S)  # and the coordinator's watch has looked at it again: still out
+    assert victim not in ray.get(coordinator.ready("prefill"))
+    assert asyncio.run(_one(router, prompt, 8)) == oracle(prompt, 8)

@@ -270,7 +270,8 @@ def test_the_coordinator_checks_a_burst_of_reports_of_one_engine_once():
 
     cls = CoordinatorActor.__ray_actor_class__
     coordinator = cls.__new__(cls)  # its state only: no Ray actor, no runtime context
-    coordinator.clients, coordinator._failure_checks = {}, {}
+    coordinator.clients, coordinator._failure_checks, coordinator._silence = {}, {}, {}
+    coordinator.unresponsive_s = 60.0
     asked = []
 
     class Busy:
@@ -309,3 +310,19 @@ def test_an_engine_the_rebuilt_registry_already_holds_registers_again():
     assert answer == {"engine_id": "prefill-1", "pairs": [("prefill-1", "decode-0")]}
     with pytest.raises((RegistrationError, AttributeError)):  # goes on to a real registration, which refuses it
         asyncio.run(coordinator.register(registration, other))
+
+
+def test_an_engine_silent_for_longer_than_the_limit_is_unresponsive():
+    """`Silence`: slow or unreachable answers in a row are a busy engine until they have lasted `limit_s`; then the
+    engine is unresponsive (gone: taken out, replaced). Any answer ends the silence."""
+    from actors.engine_client import Silence, Verdict
+
+    slow, healthy = Verdict("slow", "no answer within 10 s"), Verdict("healthy", "healthy")
+    silence = Silence(limit_s=60)
+    assert silence.saw(slow, now=100).state == "slow"
+    assert silence.saw(Verdict("unreachable", "unreachable"), now=150).state == "unreachable"
+    verdict = silence.saw(slow, now=161)
+    assert verdict.state == "unresponsive" and verdict.gone and "no health answer for 61 s" in verdict.why
+    assert silence.saw(healthy, now=162) is healthy  # it answered: the silence is over
+    assert silence.saw(slow, now=200).state == "slow" and not silence.saw(slow, now=259).gone
+    assert silence.saw(Verdict("failed", "unhealthy"), now=300).gone  # a verdict of its own, passed on
