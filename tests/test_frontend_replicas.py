@@ -55,12 +55,16 @@ def all_serving(cluster) -> bool:
         return False  # one is still restarting
 
 
-def exited(pid: int) -> bool:
-    """The process is gone or a zombie (its sockets closed)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
+def listeners(port: int) -> int:
+    """How many sockets listen on `port` here (one per front end of the deployment: SO_REUSEPORT)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                local, state = line.split()[1], line.split()[3]
+                count += state == "0A" and int(local.rsplit(":", 1)[1], 16) == port
+    return count
 
 
 def health(url: str) -> dict | None:
@@ -113,11 +117,15 @@ def test_a_killed_frontend_restarts_while_the_other_serves(served):
             t.start()
         wait_for(lambda: sum(o[2] == "ok" for o in outcomes) >= 8, 120)
         before = infos(served)[0]
+        port = int(served.url.rsplit(":", 1)[1])
+        assert listeners(port) == 2
         killed_at = time.monotonic()
         os.kill(before["pid"], signal.SIGKILL)
         # a connection made while the process is dying may land in its listening socket's queue and be reset with it
-        # (as the requests in flight on it are): the port is held to answering from the moment the process is gone
-        wait_for(lambda: exited(before["pid"]), 30, poll_s=0.05)
+        # (as the requests in flight on it are), and a process's sockets close only when its last thread has exited
+        # (its main thread shows as a zombie before that): the port is held to answering from the moment the killed
+        # process's listening socket is gone
+        wait_for(lambda: listeners(port) == 1, 30, poll_s=0.05)
         answers = []
         while True:  # the port keeps answering while replica 0 is away
             t = time.monotonic()
