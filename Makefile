@@ -8,7 +8,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	@$(PY) -m cluster.launch deploy.yaml
+	@$(PY) -m cluster run deploy.yaml
 
 test: setup
 	@$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -89,7 +89,7 @@ def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = 2048, dtyp
         tensor_parallel_size=tp,
         dtype=dtype,  # Qwen3-Next on CPU: the GDN kernel asserts "CPU GDN attention requires BF16."
         max_model_len=max_model_len,
-        enable_prefix_caching=False,  # off unless asked: the deploy config turns it on (`cluster.launch.prefix_caching`)
+        enable_prefix_caching=False,  # off unless asked: the deploy config turns it on (`cluster.cli.launch.prefix_caching`)
         # TP 1 on CPU: the model in the EngineCore process (`in_process_model`); otherwise a process per rank ("ray"
         # fails on CPU and would be auto-picked inside placement groups)
         distributed_executor_backend="uni" if in_process_model(tp, device) else "mp",
@@ -435,7 +435,7 @@ def launch_env(tp: int, extra_env: dict[str, str] | None, role: str | None, devi
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """How every engine of one pool starts: built once from the deploy config (`cluster.launch.engine_spec`), used by
+    """How every engine of one pool starts: built once from the deploy config (`cluster.cli.launch.engine_spec`), used by
     the pools' replicas and by plain-actor clusters alike. `device_options`: what `_device_options` derives per
     pool (vLLM engine kwargs, extra environment, GPUs, placement)."""
 

@@ -61,7 +61,7 @@ _HTTP_DEFAULTS = HttpConfig()  # FrontendSettings' defaults are the deploy schem
 
 @dataclass(frozen=True)
 class FrontendSettings:
-    """What the front end needs to know; built from `deploy.yaml` by `cluster.launch`."""
+    """What the front end needs to know; built from `deploy.yaml` by `cluster.cli.launch`."""
 
     model_name: str
     model_dir: str
@@ -801,13 +801,13 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
             "stale_routed": router.stale_routed, "local_prefill": router.local_prefill}
 
 
-# The front end is supervised by Ray: killed, it is restarted in place (pinned to its node by `cluster.launch`) and
+# The front end is supervised by Ray: killed, it is restarted in place (pinned to its node by `cluster.cli.launch`) and
 # serves again on its own, with its settings as it was created with - nobody has to call `start` again.
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class HTTPFrontend:
     """One front-end process: vLLM's OpenAI app over the cluster, served by uvicorn on the configured address.
 
-    Created with its settings (`cluster.launch.start_http`), it starts serving at once and again after each restart;
+    Created with its settings (`cluster.cli.launch.start_http`), it starts serving at once and again after each restart;
     `start` waits for that and returns the URL. Several replicas share one port (`http.replicas`, SO_REUSEPORT: the
     kernel spreads new connections over the listening processes); each has its own router, admission bound and
     metrics. Created bare (tests), `start(settings)` starts it."""

@@ -44,7 +44,7 @@ def pool_app_name(namespace: str, role: str) -> str:
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """What every replica of one pool needs (`cluster.launch.pool_spec` builds it from the deploy config): how its
+    """What every replica of one pool needs (`cluster.cli.launch.pool_spec` builds it from the deploy config): how its
     engine starts, the coordinator it registers with, how long a leaving engine may drain, and the node labels its
     engine must run on (the replica runs there too)."""
 

@@ -19,7 +19,7 @@ def ray_local():
 @pytest.fixture(scope="session")
 def gdn_model():
     """Path of the tiny Qwen3-Next (GDN) model under <repo>/models, built if missing or stale."""
-    from cluster.tiny_model import ensure_model
+    from cluster.cli.tiny_model import ensure_model
 
     return ensure_model("gdn")
 

@@ -18,8 +18,8 @@ MAX_TOKENS = 12
 
 
 def oracle(prompt: list[int], n: int = MAX_TOKENS, kind: str = "gdn") -> list[int]:
-    """The greedy continuation the tiny hybrid model's weights implement (`cluster.tiny_model.expected_next_token`)."""
-    from cluster.tiny_model import expected_next_token
+    """The greedy continuation the tiny hybrid model's weights implement (`cluster.cli.tiny_model.expected_next_token`)."""
+    from cluster.cli.tiny_model import expected_next_token
 
     ids = list(prompt)
     for _ in range(n):
@@ -186,7 +186,7 @@ def byte_classes(registration: Any, probes: dict[str, list[int]]) -> dict[str, t
     """Every byte class a decode engine reads for a hybrid request, as (probe prompt, noise specs per rank) for
     `EngineClient.corrupt_next_read`: each conv sub-projection (GDN Q, K, V; Mamba2 x, B, C) and each conv row in every
     state layer, each recurrent head of each state layer (on the rank that holds it), attention K and V. Offsets come
-    from the engine's run-time layout (`cluster.core.layout`). `probes`: the model's probe prompts (`cluster.tiny_model.probe_prompts`:
+    from the engine's run-time layout (`cluster.core.layout`). `probes`: the model's probe prompts (`cluster.cli.tiny_model.probe_prompts`:
     "self" for the conv and attention classes, "layer L head H" for recurrent head H of the L-th state layer)."""
     from cluster.core.hf_config import model_shape
     from cluster.core.layout import layout_from_report
@@ -241,7 +241,7 @@ def unseen_byte_classes(pd: PDCluster, prefill_id: str, decode_key: tuple[str, i
     by noise right after the read lands. Returns the classes whose output stayed as without the noise (empty: every
     class is seen). Each probe's clean output is checked against the model's rule first, and noise in bytes the model
     never reads (the state pages' padding, where there is some) must leave the output as it was."""
-    from cluster.tiny_model import probe_prompts
+    from cluster.cli.tiny_model import probe_prompts
 
     decode = pd.engines[decode_key]
     router = pd.routers["decode"]

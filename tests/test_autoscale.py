@@ -29,7 +29,7 @@ import ray
 
 from actors.engine import free_port
 from cluster.core.config import DeployConfig
-from cluster.launch import Cluster, serve, stop_cluster
+from cluster.cli.launch import Cluster, serve, stop_cluster
 from tests.pd_helpers import oracle, until
 
 pytestmark = pytest.mark.engine

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.goodput import (FIGURES, LATENCIES, add_args, attains, check_targets, check_workload, client_argv,
+from cluster.cli.bench.goodput import (FIGURES, LATENCIES, add_args, attains, check_targets, check_workload, client_argv,
                                    deploy_for_bench, error_row, first_failing_rate, highest_rate_within_slo,
                                    length_ranges, pick_baseline, prompts_at, rate_seed, row_from_result, summarize,
                                    table)
@@ -176,7 +176,7 @@ def test_table_marks_the_baseline_and_gives_ratios_beside_other_targets():
 
 
 def test_a_rate_that_runs_out_of_time_stops_the_higher_ones(monkeypatch):
-    import cluster.bench.goodput as bg
+    import cluster.cli.bench.goodput as bg
 
     p = argparse.ArgumentParser()
     add_args(p)

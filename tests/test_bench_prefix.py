@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.prefix_routing import (MultiTurn, Turn, add_args, check_multi_turn, check_prefix_workload, check_targets,
+from cluster.cli.bench.prefix_routing import (MultiTurn, Turn, add_args, check_multi_turn, check_prefix_workload, check_targets,
                                   client_argv, client_row, counters, deploy_for_prefix_bench, fill_unavoidable,
                                   metric_sum, multi_turn_summary, percentile, prefixes_held, prompt_token_use,
                                   turn_table, unavoidable_tokens, vllm_lines)

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from cluster.bench.serve import METRICS, add_args, check_targets, ratios, round_order, summarize, table
+from cluster.cli.bench.serve import METRICS, add_args, check_targets, ratios, round_order, summarize, table
 
 
 def _row(target: str, conc: int, rnd: int, scale: float, failed: int = 0) -> dict:

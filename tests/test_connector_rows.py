@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from cluster.bench import MODELS, sample_blocks
+from cluster.cli.bench import MODELS, sample_blocks
 from cluster.core.hf_config import load_config, model_shape, ssm_dtype
 from cluster.core.layout import offline_layout
 from cluster.core.planner import plan_pair, plan_request
@@ -91,7 +91,7 @@ def test_rows_refuse_a_read_outside_the_local_regions():
 def test_transfer_bench_builds_the_connectors_rows():
     """`bench transfer` measures the connector's reads: its descriptors are the connector's rows."""
     from actors.connector import PlannedPullWorker
-    from cluster.bench.transfer_side import TransferSide
+    from cluster.cli.bench.transfer_side import TransferSide
 
     cfg = load_config(MODELS["qwen3.5-35b-a3b"])
     shape, sdtype = model_shape(cfg), ssm_dtype(cfg, "bfloat16")

@@ -15,9 +15,9 @@ import ray
 
 from actors.cores import CoresUnavailable, lease_cores, thread_affinities, wait_for_cores
 from actors.engine import free_port
-from cluster.bench.faults import kill_engine
+from cluster.cli.bench.faults import kill_engine
 from cluster.core.config import DeployConfig, DeployError
-from cluster.launch import serve, start_cluster, stop_cluster
+from cluster.cli.launch import serve, start_cluster, stop_cluster
 from tests.pd_helpers import oracle, prompts, wait_for
 
 pytestmark = pytest.mark.engine

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from cluster.core.coordinator import RegistrationError
-from cluster.tiny_model import ensure_model
+from cluster.cli.tiny_model import ensure_model
 from tests.pd_helpers import MAX_TOKENS, PDCluster, colocated, decode_stream, gather, oracle, prompts, run_pair, until, wait_for
 
 pytestmark = pytest.mark.engine
@@ -706,7 +706,7 @@ def _greedy():
 def test_the_output_sees_every_byte_class_that_moves(pd, d_tp):
     """On a live decode engine, each byte class of the state it read (conv Q, K and V channels and each conv row in
     every GDN layer, each recurrent head of each layer, attention K and V) overwritten with noise right after the read
-    lands, one class at a time, on probe prompts that need it (`cluster.tiny_model.probe_prompts`): the output
+    lands, one class at a time, on probe prompts that need it (`cluster.cli.tiny_model.probe_prompts`): the output
     changes every time. So "disaggregated == colocated" here speaks for every byte that moves."""
     from tests.pd_helpers import unseen_byte_classes
 

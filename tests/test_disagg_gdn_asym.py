@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.tiny_model import ensure_model
+from cluster.cli.tiny_model import ensure_model
 from tests.pd_helpers import PDCluster, colocated, gather, oracle, prompts, run_pair
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

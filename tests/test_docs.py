@@ -61,8 +61,8 @@ def test_named_files_exist(doc):
 
 
 HELP = {  # where each `python -m cluster` command's own options are parsed
-    "bench": "from cluster.bench import main; main({args})",
-    "build-model": "from cluster.tiny_model import main; main({args})",
+    "bench": "from cluster.cli.bench import main; main({args})",
+    "build-model": "from cluster.cli.tiny_model import main; main({args})",
 }
 
 

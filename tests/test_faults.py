@@ -20,10 +20,10 @@ import ray
 
 from actors.engine import free_port, launch_engine_actor, stop_engine_actor
 from actors.engine_client import ENGINE_PREFIX
-from cluster.bench.faults import blocks_held, free_blocks
-from cluster.bench.faults import kill_engine as bench_kill_engine
+from cluster.cli.bench.faults import blocks_held, free_blocks
+from cluster.cli.bench.faults import kill_engine as bench_kill_engine
 from cluster.core.config import DeployConfig, load_deploy
-from cluster.launch import serve, stop_cluster
+from cluster.cli.launch import serve, stop_cluster
 from tests.pd_helpers import metric, wait_for
 
 pytestmark = pytest.mark.engine

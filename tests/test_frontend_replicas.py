@@ -18,9 +18,9 @@ import ray
 import yaml
 
 from actors.engine import free_port
-from cluster.bench.faults import blocks_held, free_blocks
+from cluster.cli.bench.faults import blocks_held, free_blocks
 from cluster.core.config import DeployConfig
-from cluster.launch import serve, stop_cluster, watch_frontends
+from cluster.cli.launch import serve, stop_cluster, watch_frontends
 from tests.pd_helpers import wait_for
 
 pytestmark = pytest.mark.engine

@@ -18,7 +18,7 @@ import ray
 
 from actors.engine import free_port
 from cluster.core.config import DeployConfig
-from cluster.launch import serve, stop_cluster
+from cluster.cli.launch import serve, stop_cluster
 from tests.pd_helpers import metric, wait_for
 
 pytestmark = pytest.mark.engine
@@ -459,7 +459,7 @@ def test_fuzzed_requests_never_get_a_server_error(served, tmp_path):
 
 def test_short_load_loses_nothing(served):
     """16 streaming clients for 15 s (the long version: `python -m cluster bench load --clients 32 --duration 60`)."""
-    from cluster.bench.loadgen import run_load
+    from cluster.cli.bench.loadgen import run_load
 
     res = asyncio.run(run_load(served.url, MODEL, clients=16, duration_s=15, max_tokens=16, api_key=KEY))
     summary = res.summary()
@@ -471,7 +471,7 @@ def test_short_load_loses_nothing(served):
 def test_vllm_bench_client_fails_no_request(served, gdn_model):
     """vLLM's own serving benchmark client, unmodified (it sends repetition_penalty, stream_options and calls
     /tokenize), against the cluster: a short version of `python -m cluster bench serve`."""
-    from cluster.bench.serve import run_vllm_bench
+    from cluster.cli.bench.serve import run_vllm_bench
 
     result = run_vllm_bench(served.url, MODEL, str(gdn_model), num_prompts=8, concurrency=2, input_len=128,
                             output_len=16, api_key=KEY)
@@ -540,7 +540,7 @@ def small_frontend(served):
     admitting 1 request in flight and 1 waiting - so that the bound is reached with two requests while the module's
     own front end, and the tests that use it, keep the defaults."""
     from actors.frontend import HTTPFrontend
-    from cluster.launch import frontend_settings
+    from cluster.cli.launch import frontend_settings
 
     settings = dataclasses.replace(frontend_settings(served), port=free_port(), max_requests_in_flight=1,
                                    max_queued_requests=1)

@@ -1,9 +1,11 @@
 """The code's layers and the one direction its imports run, read from the source (every import statement, the ones
 inside functions included):
 
-    cluster/*.py, cluster/bench/   entry points: the launcher, `python -m cluster` (plan, bench), the benchmarks
-      -> actors/     the Ray runtime: engine, coordinator, pool and front-end actors, the router, the connector
-        -> cluster/core/   the pure core: shapes, layouts, planner, registry, deploy config, wire format
+    cluster/cli/ (and cluster/__main__.py)   entry points: the command line, the launcher, the benchmarks, the tiny model
+      -> actors/         the Ray runtime: engine, coordinator, pool and front-end actors, the router, the connector
+        -> cluster/core/     the pure core: shapes, layouts, planner, registry, deploy config, wire format
+
+Each directory holds one layer. `python tests/test_layers.py` draws the directories and the imports between them.
 
 A module imports from its own layer or the ones below it, never above; the core imports neither Ray, vLLM, NIXL nor
 the model stack (torch, transformers). And no
@@ -28,12 +30,23 @@ def layer_of_file(path: Path) -> str:
     return "core" if rel[:2] == ("cluster", "core") else "actors" if rel[0] == "actors" else "entry"
 
 
+def directory_of(name: str) -> str | None:
+    """The source directory of module `name` (`cluster.core.planner` -> cluster/core); None outside the project."""
+    parts = name.split(".")
+    if parts[0] not in ("cluster", "actors"):
+        return None
+    for cut in range(len(parts), 0, -1):
+        if (ROOT.joinpath(*parts[:cut])).is_dir():
+            return "/".join(parts[:cut])
+    return None
+
+
 def layer_of_module(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] == "actors":
         return "actors"
     if parts[0] == "cluster":
-        return "core" if parts[1:2] == ["core"] else "entry" if len(parts) > 1 else None
+        return "core" if parts[1:2] == ["core"] else "entry" if parts[1:2] in (["cli"], ["__main__"]) else None
     return None
 
 
@@ -48,8 +61,8 @@ def imports_in(source: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from cluster import bench` names modules, `from cluster.core.x import y` names objects
-            out += [(node.lineno, f"{node.module}.{a.name}" if node.module in ("cluster", "cluster.core", "actors") else node.module)
+            # `from cluster.cli import bench` names modules, `from cluster.core.x import y` names objects
+            out += [(node.lineno, f"{node.module}.{a.name}" if node.module in ("cluster", "cluster.core", "cluster.cli", "actors") else node.module)
                     for a in node.names]
     return out
 
@@ -60,6 +73,37 @@ SOURCES = sorted([*ROOT.glob("cluster/**/*.py"), *ROOT.glob("actors/*.py")])
 def test_every_source_is_in_a_layer():
     assert {layer_of_file(p) for p in SOURCES} == set(LAYERS)
     assert any(layer_of_file(p) == "core" for p in SOURCES) and len(SOURCES) > 20
+
+
+def test_each_directory_is_one_layer():
+    """A directory's modules are all of one layer (cluster/ itself holds only `python -m cluster`'s two lines)."""
+    by_dir: dict[str, set[str]] = {}
+    for path in SOURCES:
+        by_dir.setdefault(str(path.parent.relative_to(ROOT)), set()).add(layer_of_file(path))
+    mixed = {d: layers for d, layers in by_dir.items() if len(layers) > 1}
+    assert not mixed, f"directories holding more than one layer: {mixed}"
+    assert sorted(p.name for p in (ROOT / "cluster").glob("*.py")) == ["__init__.py", "__main__.py"]
+
+
+def picture() -> dict[str, dict[str, int]]:
+    """{directory: {directory it imports: how many import statements}} over the project's sources."""
+    edges: dict[str, dict[str, int]] = {}
+    for path in SOURCES:
+        mine = str(path.parent.relative_to(ROOT))
+        for _, name in imports(path):
+            target = directory_of(name)
+            if target is not None and target != mine:
+                edges.setdefault(mine, {}).setdefault(target, 0)
+                edges[mine][target] += 1
+    return edges
+
+
+def test_the_picture_has_no_arrow_up():
+    edges = picture()
+    rank = {d: LAYERS[layer_of_file(ROOT / d / "x.py")] for d in edges}
+    up = [(a, b) for a, targets in edges.items() for b in targets
+          if LAYERS[layer_of_file(ROOT / b / "x.py")] > rank[a]]
+    assert not up and edges["cluster/cli"].keys() >= {"actors", "cluster/core"}, (up, edges)
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -75,9 +119,9 @@ def test_imports_run_one_way(path):
 
 def test_the_check_sees_an_upward_import():
     """The oracle can fail: what a core module importing the router, Ray and a sibling would be judged."""
-    names = [n for _, n in imports_in("from actors.router import Router\nimport ray\nfrom cluster import launch\n"
+    names = [n for _, n in imports_in("from actors.router import Router\nimport ray\nfrom cluster.cli import launch\n"
                                       "def f():\n    from cluster.core.planner import plan_pair\n")]
-    assert names == ["actors.router", "ray", "cluster.launch", "cluster.core.planner"]
+    assert names == ["actors.router", "ray", "cluster.cli.launch", "cluster.core.planner"]
     assert [layer_of_module(n) for n in names] == ["actors", None, "entry", "core"]
 
 
@@ -214,3 +258,8 @@ def test_the_worker_method_check_sees_a_name():
     source = 'async def f(self):\n    return await self._call("pd_install_pair", 1)\n'
     assert [n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and n.value in allowed] == \
         ["pd_install_pair"]
+
+
+if __name__ == "__main__":  # the import picture: each directory, its layer, and the directories it imports
+    for d, targets in sorted(picture().items(), key=lambda kv: -LAYERS[layer_of_file(ROOT / kv[0] / "x.py")]):
+        print(f"{d:22} ({layer_of_file(ROOT / d / 'x.py')})  -> " + ", ".join(f"{t} ({n})" for t, n in sorted(targets.items())))

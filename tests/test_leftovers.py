@@ -18,9 +18,9 @@ import ray
 
 from actors.engine import free_port
 from actors.engine_procs import SHM_PREFIXES
-from cluster.bench.faults import kill_engine
+from cluster.cli.bench.faults import kill_engine
 from cluster.core.config import DeployConfig, load_deploy
-from cluster.launch import serve, stop_cluster
+from cluster.cli.launch import serve, stop_cluster
 from tests.pd_helpers import PDCluster, decode_stream, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from actors.engine import free_port
-from cluster.bench.loadgen import run_load
+from cluster.cli.bench.loadgen import run_load
 
 KINDS = ["retry_after", "bad_request", "complete", "error_event", "server_error", "bare_503", "truncated"]
 
@@ -48,7 +48,7 @@ def _app(seen: list[tuple[str, float]]) -> FastAPI:
             yield "data: [DONE]\n\n"
 
         if kind == "retry_after":
-            return JSONResponse({"error": {"message": "busy", "code": 503}}, status_code=503, headers={"Retry-After": "1"})
+            return JSONResponse({"error": {"message": "busy", "code": 503}}, status_code=503, headers={"Retry-After": "2"})
         if kind == "bare_503":
             return JSONResponse({"error": {"message": "busy", "code": 503}}, status_code=503)
         if kind == "bad_request":
@@ -76,7 +76,7 @@ def server():
 
 def test_every_outcome_has_its_class(server):
     url, seen = server
-    res = asyncio.run(run_load(url, "m", clients=1, duration_s=3.5, max_tokens=2))
+    res = asyncio.run(run_load(url, "m", clients=1, duration_s=5.0, max_tokens=2))
     s = res.summary()
     counts = {k: sum(1 for kind, _ in seen if kind == k) for k in KINDS}
     assert s["requests"] == len(seen) >= len(KINDS)
@@ -84,7 +84,8 @@ def test_every_outcome_has_its_class(server):
     assert s["refused_503"] == counts["retry_after"] and s["failed_midstream"] == counts["error_event"]
     assert s["malformed"] == counts["server_error"] + counts["bare_503"] + counts["truncated"]
     assert s["lost"] == counts["error_event"] + counts["truncated"]  # accepted, then neither completed nor refused
-    # the client waited Retry-After (1 s, +-50%) after each clean 503, and not after the other answers
+    # the client waited Retry-After (2 s, +-50%) after each clean 503, and not after the other answers (which take
+    # milliseconds; the margin is for a loaded machine)
     for (kind, t), (_, t_next) in zip(seen, seen[1:]):
         gap = t_next - t
-        assert (gap >= 0.45) if kind == "retry_after" else (gap < 0.45), (kind, gap)
+        assert (gap >= 0.95) if kind == "retry_after" else (gap < 0.95), (kind, gap)

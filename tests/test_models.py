@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from cluster import tiny_model as models
+from cluster.cli import tiny_model as models
 
 BUILT: dict[tuple[str, int], object] = {}
 

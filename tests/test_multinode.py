@@ -192,7 +192,7 @@ def nodes(gdn_model, tmp_path_factory):
         # the launcher's clean-up after a node's death waits up to 60 s on Serve for the dead node's replica
         out = ray_cli(["job", "submit", "--address", jobs, "--working-dir", ".", "--no-wait",
                        "--runtime-env-json", '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "180"}}',
-                       "--", "python", "-m", "cluster.launch", str(deploy)], env)
+                       "--", "python", "-m", "cluster", "run", str(deploy)], env)
         job_id = re.search(r"raysubmit_[A-Za-z0-9]+", out).group(0)
         job = {"id": job_id, "address": jobs, "stopped": False}
         logs = lambda: ray_cli(["job", "logs", "--address", jobs, job_id], env)  # noqa: E731

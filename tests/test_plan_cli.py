@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.__main__ import main
+from cluster.cli.main import main
 
 CONFIGS = sorted(Path("configs/models").glob("*.json"))
 TP = (1, 2, 4, 8)
@@ -110,8 +110,8 @@ def matches(typ: str, value) -> bool:
 
 @pytest.fixture(scope="module")
 def tiny_configs(tmp_path_factory):
-    """config.json of each builtin tiny model (`cluster.tiny_model.model_config`), one directory per kind."""
-    from cluster.tiny_model import KINDS, model_config
+    """config.json of each builtin tiny model (`cluster.cli.tiny_model.model_config`), one directory per kind."""
+    from cluster.cli.tiny_model import KINDS, model_config
 
     root = tmp_path_factory.mktemp("tiny-configs")
     for kind in KINDS:

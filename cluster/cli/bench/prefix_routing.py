@@ -9,7 +9,7 @@ Targets, each started, run through every workload of `--workloads` in turn, then
          `local_prefill_when_idle`), `--kv-cache-gib` per engine, and `routing.policy: cache`;
   load   the same cluster with `routing.policy: load` (prefixes ignored);
   vllm   vLLM's own OpenAI server, one engine at TP 1 with prefix caching on, started as `bench goodput` starts it
-         (`cluster.bench.serve._vllm_server`: its KV cache is that helper's, 1 GiB).
+         (`cluster.cli.bench.serve._vllm_server`: its KV cache is that helper's, 1 GiB).
 Workloads, in this order on each target (the multi-turn one first, on empty caches):
   multi-turn  `--conversations` conversations at once, `--turns` turns each, written here with the official `openai`
               client (AsyncOpenAI, streamed /v1/completions with token-id prompts and vLLM's `return_token_ids`): each
@@ -52,7 +52,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 KNOWN_TARGETS = ("cache", "load", "vllm")
 CLUSTER_TARGETS = {"cache": "cache", "load": "load"}  # target -> routing.policy
 DEFAULT_TARGETS = "cache,load,vllm"
@@ -666,9 +666,9 @@ def deploy_for_prefix_bench(cfg: Any, port: int, policy: str, kv_cache_gib: floa
 
 
 def engine_kv_bytes(cfg: Any, model_dir: str) -> int:
-    """The KV/state cache each prefill engine gets, as the launcher gives it (`cluster.launch._device_options`):
+    """The KV/state cache each prefill engine gets, as the launcher gives it (`cluster.cli.launch._device_options`):
     the pool's kv_cache_gib as vLLM's kv_cache_memory_bytes (older launchers: VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
-    from cluster.launch import _device_options
+    from cluster.cli.launch import _device_options
 
     opts = _device_options(cfg, "prefill", model_dir)
     explicit = opts.get("engine_kwargs", {}).get("kv_cache_memory_bytes")
@@ -686,7 +686,7 @@ def cache_capacity(cfg: Any, model_dir: str, prefix_len: int) -> dict[str, Any]:
     size): bytes, block size, and about how many `prefix_len`-token prefixes it holds (`prefixes_held`)."""
     from cluster.core.hf_config import load_config, model_shape
     from cluster.core.layout import offline_layout
-    from cluster.launch import cpu_block_size
+    from cluster.cli.launch import cpu_block_size
 
     shape = model_shape(load_config(model_dir))
     layout = offline_layout(shape, cfg.prefill.tp, cfg.model.dtype, "float32",
@@ -728,7 +728,7 @@ def run_workloads(target: str, kind: str, url: str, api_key: str | None, block_s
                   model_dir: str, token_ids: list[int], args: Any, spec: MultiTurn) -> dict[str, Any]:
     """Every workload of `--workloads`, in order, against one running target; a workload that fails is reported in
     its entry and the others still run."""
-    from cluster.bench.goodput import run_client
+    from cluster.cli.bench.goodput import run_client
 
     def say(msg: str) -> None:
         print(f"  {target}: {msg}", flush=True)
@@ -786,12 +786,12 @@ def run_workloads(target: str, kind: str, url: str, api_key: str | None, block_s
 
 def bench_cluster(target: str, cfg: Any, model_dir: str, token_ids: list[int], args: Any,
                   spec: MultiTurn) -> dict[str, Any]:
-    """The bench's cluster with `routing.policy` = the target's, as `make run` starts it (`cluster.launch.serve`),
+    """The bench's cluster with `routing.policy` = the target's, as `make run` starts it (`cluster.cli.launch.serve`),
     on a local Ray instance of its own; stopped, with Serve, afterwards."""
     import ray
 
     from actors.engine import free_port
-    from cluster.launch import serve, stop_cluster
+    from cluster.cli.launch import serve, stop_cluster
 
     cfg = deploy_for_prefix_bench(cfg, free_port(), CLUSTER_TARGETS[target], args.kv_cache_gib)
     api_key = cfg.http.resolved_api_key()
@@ -814,9 +814,9 @@ def bench_cluster(target: str, cfg: Any, model_dir: str, token_ids: list[int], a
 
 def bench_vllm(model_dir: str, name: str, token_ids: list[int], args: Any, spec: MultiTurn, logs: Path,
                fallback_block: int) -> dict[str, Any]:
-    """vLLM's own OpenAI server, one engine at TP 1 with prefix caching on (`cluster.bench.serve._vllm_server`)."""
+    """vLLM's own OpenAI server, one engine at TP 1 with prefix caching on (`cluster.cli.bench.serve._vllm_server`)."""
     from actors.engine import free_port
-    from cluster.bench.serve import _stop, _vllm_server, _wait_http
+    from cluster.cli.bench.serve import _stop, _vllm_server, _wait_http
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -831,7 +831,7 @@ def bench_vllm(model_dir: str, name: str, token_ids: list[int], args: Any, spec:
 
 # ---- the command --------------------------------------------------------------------------------------------------
 def main(args: Any) -> int:
-    from cluster.bench.goodput import VLLM_SERVER_MAX_MODEL_LEN, deploy_model_dir, machine, parse_targets
+    from cluster.cli.bench.goodput import VLLM_SERVER_MAX_MODEL_LEN, deploy_model_dir, machine, parse_targets
     from cluster.core.config import load_deploy
 
     targets = parse_targets(args.targets, KNOWN_TARGETS)
@@ -845,7 +845,7 @@ def main(args: Any) -> int:
     spec = MultiTurn(args.conversations, args.turns, args.think_s, args.first_tokens, args.user_tokens,
                      args.reply_tokens, args.seed)
     max_len = base.model.max_model_len
-    if "vllm" in targets:  # vLLM's server runs at cluster.bench.serve's --max-model-len
+    if "vllm" in targets:  # vLLM's server runs at cluster.cli.bench.serve's --max-model-len
         max_len = min(max_len, VLLM_SERVER_MAX_MODEL_LEN)
     check_multi_turn(spec, max_len)
     capacity = cache_capacity(bench_cfg, model_dir, args.prefix_len)
@@ -931,7 +931,7 @@ def main(args: Any) -> int:
               "random": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len},
               "concurrency": args.concurrency, "seed": args.seed, "step_timeout_s": args.step_timeout,
               "vllm_server": "vllm.entrypoints.openai.api_server, TP 1, prefix caching on, 1 GiB KV "
-                             "(cluster.bench.serve._vllm_server)",
+                             "(cluster.cli.bench.serve._vllm_server)",
               "client": "multi-turn: openai.AsyncOpenAI, streamed /v1/completions; prefix and random: "
                         "vllm.benchmarks.serve (unmodified, a subprocess per workload)"}
     path.write_text(json.dumps({"benchmark": "prefix-routing", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

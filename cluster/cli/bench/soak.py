@@ -1,10 +1,10 @@
 """`python -m cluster bench soak`: the deployment's cluster under mixed streaming traffic for `--minutes`, with a fault
 every `--fault-every` seconds, and a check at the end that nothing was lost or left behind.
 
-The cluster is the deploy file's (`--deploy`), started as `cluster.launch.serve` starts it - the pools as Ray Serve
+The cluster is the deploy file's (`--deploy`), started as `cluster.cli.launch.serve` starts it - the pools as Ray Serve
 deployments, so a killed engine is replaced by its pool - with `--frontends` HTTP front ends sharing the port
 (`http.replicas`; 2 by default, so that one front end's death does not stop the service), in a namespace of its own.
-`--clients` streaming clients (`cluster.bench.loadgen`'s request and outcome classes; they honour Retry-After of 503s and
+`--clients` streaming clients (`cluster.cli.bench.loadgen`'s request and outcome classes; they honour Retry-After of 503s and
 429s) send prompts of 16-1200 tokens asking for 4, 16, 64 or 192 tokens each (`ignore_eos`), one request after
 another. Faults, from `--faults`, round-robin or at random (`--order`, `--seed`):
 
@@ -107,7 +107,7 @@ def fault_schedule(faults: list[str], every_s: float, duration_s: float, order: 
 
 @dataclass
 class Request:
-    """One request of the traffic: when it started and ended (time.perf_counter()), its outcome (`cluster.bench.loadgen`'s
+    """One request of the traffic: when it started and ended (time.perf_counter()), its outcome (`cluster.cli.bench.loadgen`'s
     classes, with a 429 split off as refused_429) and why, when it did not complete."""
 
     start: float
@@ -236,10 +236,10 @@ def problems(report: dict[str, Any]) -> list[str]:
 # ---- the traffic ---------------------------------------------------------------------------------------------------
 async def traffic(url: str, model: str, clients: int, duration_s: float, requests: list[Request], *,
                   api_key: str | None = None, seed: int = 0, retry_after_s: float = 2.0) -> Any:
-    """`clients` loops of streamed completions (`cluster.bench.loadgen`'s request and classes), mixed prompt and output
+    """`clients` loops of streamed completions (`cluster.cli.bench.loadgen`'s request and classes), mixed prompt and output
     lengths, until `duration_s` is over; each request is appended to `requests`. Returns the loadgen result with
     every request's latencies."""
-    from cluster.bench.loadgen import run_load
+    from cluster.cli.bench.loadgen import run_load
 
     def answered(one: Any, wait: float | None) -> float | None:
         start, end, kind = one.timeline[0]
@@ -582,7 +582,7 @@ class Soak:
         return check
 
     def _kill_engine(self, f: Fault, role: str) -> None:
-        from cluster.bench.faults import kill_engine
+        from cluster.cli.bench.faults import kill_engine
 
         engine_id, engines = self._victim(role)
         before = set(self.ready(role))
@@ -725,9 +725,9 @@ def soak_config(base: Any, frontends: int, port: int | None = None) -> Any:
 
 def run_soak(cfg: Any, args: argparse.Namespace, progress: Callable[[str], None] = say) -> dict[str, Any]:
     """Start `cfg`'s cluster (Ray must be initialised), soak it as `args` says, stop it; the report."""
-    from cluster.bench.faults import blocks_held, free_blocks
-    from cluster.launch import serve, stop_cluster
-    from cluster.bench.loadgen import percentile_ms
+    from cluster.cli.bench.faults import blocks_held, free_blocks
+    from cluster.cli.launch import serve, stop_cluster
+    from cluster.cli.bench.loadgen import percentile_ms
 
     duration = args.minutes * 60
     schedule = fault_schedule(args.faults, args.fault_every, duration, args.order, args.seed)
@@ -845,7 +845,7 @@ def run_soak(cfg: Any, args: argparse.Namespace, progress: Callable[[str], None]
 
 
 def print_report(report: dict[str, Any]) -> None:
-    from cluster.bench import _table
+    from cluster.cli.bench import _table
 
     print("\nfaults:")
     _table(report["faults"], ["index", "at_s", "kind", "target", "done", "followed", "recovered_s"])

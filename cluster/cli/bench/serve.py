@@ -6,7 +6,7 @@ One run, one after another, the same prompts (vLLM's random dataset with a fixed
   vllm-tpN vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`), the same model colocated at TP N on
            the same cores (`--vllm-tp`, default 1 and 2); the better of them, figure by figure, is the baseline;
   stock-pd vLLM's stock P/D: a prefill and a decode OpenAI server with vLLM's NixlConnector at TP p and TP d, behind
-           a minimal proxy (`cluster.bench.stock_pd_proxy`: prefill with max_tokens 1, then decode with its transfer
+           a minimal proxy (`cluster.cli.bench.stock_pd_proxy`: prefill with max_tokens 1, then decode with its transfer
            parameters, as vLLM's toy proxy does).
 The cluster and vLLM's servers run `--rounds` times (default 3), each started afresh per round, alternating the order
 (A B C, C B A, ...): on a shared machine one round's ratios moved by 10-20% between runs, and a ratio taken within
@@ -52,7 +52,7 @@ def run_vllm_bench(url: str, model: str, tokenizer_dir: str, *, num_prompts: int
                 "--metric-percentiles", "50,99", "--num-warmups", "2", "--disable-tqdm", "--save-result", "--result-dir", out,
                 "--result-filename", "result.json"]
         env = {**os.environ, **({"OPENAI_API_KEY": api_key} if api_key else {})}
-        r = subprocess.run([sys.executable, "-m", "cluster.bench.serve", "--client", *argv], env=env,
+        r = subprocess.run([sys.executable, "-m", "cluster.cli.bench.serve", "--client", *argv], env=env,
                            capture_output=True, text=True, timeout=timeout_s)
         path = Path(out) / "result.json"
         if not path.exists():
@@ -161,7 +161,7 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
 
     from actors.engine import free_port
     from cluster.core.config import DeployConfig
-    from cluster.launch import serve, stop_cluster
+    from cluster.cli.launch import serve, stop_cluster
 
     cfg = DeployConfig.model_validate({
         "model": {"path": model_dir, "name": "tiny-hybrid"},
@@ -207,7 +207,7 @@ def bench_stock_pd(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, 
     try:
         took = max(_wait_http(f"http://127.0.0.1:{p}", procs) for p in (p_port, d_port))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "cluster.bench.stock_pd_proxy", "--prefill", f"http://127.0.0.1:{p_port}",
+            [sys.executable, "-m", "cluster.cli.bench.stock_pd_proxy", "--prefill", f"http://127.0.0.1:{p_port}",
              "--decode", f"http://127.0.0.1:{d_port}", "--port", str(proxy_port)],
             stdout=(logs / "stock-proxy.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True))
         _wait_http(f"http://127.0.0.1:{proxy_port}", procs, 60)
@@ -371,7 +371,7 @@ def round_order(targets: list[str], rounds: int) -> list[tuple[int, str]]:
 
 
 def main(args: Any) -> int:
-    from cluster.tiny_model import ensure_model
+    from cluster.cli.tiny_model import ensure_model
 
     model_dir = str(ensure_model(args.model))
     out_dir = Path(args.out_dir)

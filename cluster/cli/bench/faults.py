@@ -6,7 +6,7 @@
   coordinator     the coordinator killed (Ray restarts it): the front end serves on the routes it last gave
 
 Each scenario starts the deployment's cluster (pools as plain actors, so that nothing replaces the dead engine and
-the figures show the failure handling alone), runs `--clients` streaming clients (`cluster.bench.loadgen`: they honour
+the figures show the failure handling alone), runs `--clients` streaming clients (`cluster.cli.bench.loadgen`: they honour
 Retry-After) for `--warmup` seconds, kills the victim, keeps the load on for `--after` seconds, then reports:
 every outcome class (failed = accepted and not completed + malformed + 4xx; 503s counted apart, and those after the
 death was noticed), how long the coordinator took to notice (or, for the coordinator, its restart to answer), p50/p99
@@ -118,8 +118,8 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
     import psutil
     import ray
 
-    from cluster.launch import serve, stop_cluster
-    from cluster.bench.loadgen import LoadResult, run_load
+    from cluster.cli.launch import serve, stop_cluster
+    from cluster.cli.bench.loadgen import LoadResult, run_load
 
     victim, n_prefill, n_decode = SCENARIOS[name]
     data = base.model_dump()
@@ -184,7 +184,7 @@ def run_scenario(name: str, base: Any, args: argparse.Namespace) -> dict[str, An
 def summarize(name: str, victim: str, res: Any, t_kill: float, noticed: float | None, held: dict[str, int | None],
               left: list[str], stragglers: int, metrics: str, args: argparse.Namespace) -> dict[str, Any]:
     """One scenario's row: outcomes, 503s after the death was noticed, latencies before and in the fault window."""
-    from cluster.bench.loadgen import percentile_ms
+    from cluster.cli.bench.loadgen import percentile_ms
     from cluster.core.metrics import sample_value
 
     end = t_kill + (noticed if noticed is not None else NOTICE_TIMEOUT_S) + FAULT_WINDOW_AFTER_NOTICED_S
@@ -223,7 +223,7 @@ def summarize(name: str, victim: str, res: Any, t_kill: float, noticed: float | 
 def main(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.bench import _table, write_results
+    from cluster.cli.bench import _table, write_results
     from cluster.core.config import load_deploy
 
     base = load_deploy(args.deploy)

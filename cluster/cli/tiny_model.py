@@ -42,7 +42,7 @@ MAX_POSITIONS = 4096
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"  # token ids 0, 1, 2
 MARKER = ".build-stamp"  # holds the builder hash; a changed builder rebuilds models on `ensure_model`
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------------------------------------------

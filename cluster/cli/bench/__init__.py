@@ -188,7 +188,7 @@ def sample_blocks(pair, tokens: int, scattered: bool = False, pool: int = 0) -> 
 def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list[int], reps: int) -> list[dict]:
     import ray
 
-    from cluster.bench.transfer_side import TransferSide
+    from cluster.cli.bench.transfer_side import TransferSide
     from cluster.core.hf_config import load_config, model_shape, ssm_dtype
     from cluster.core.layout import offline_layout
     from cluster.core.planner import plan_pair, plan_request
@@ -392,7 +392,7 @@ def _plot(name: str, rows: list[dict], path: Path) -> None:
 def _load_main(args: argparse.Namespace, out_dir: Path) -> int:
     import os as _os
 
-    from cluster.bench.loadgen import run_load
+    from cluster.cli.bench.loadgen import run_load
 
     key = _os.environ.get(args.api_key_env) if args.api_key_env else None
     cluster = None
@@ -402,7 +402,7 @@ def _load_main(args: argparse.Namespace, out_dir: Path) -> int:
         import ray
 
         from cluster.core.config import load_deploy
-        from cluster.launch import serve
+        from cluster.cli.launch import serve
 
         cfg = load_deploy(args.deploy)
         key = key or cfg.http.resolved_api_key()
@@ -416,7 +416,7 @@ def _load_main(args: argparse.Namespace, out_dir: Path) -> int:
         if cluster is not None:
             import ray
 
-            from cluster.launch import stop_cluster
+            from cluster.cli.launch import stop_cluster
 
             stop_cluster(cluster, shutdown_serve=True)
             ray.shutdown()
@@ -464,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--api-key-env", help="environment variable holding the API key")
     for p in (e, t, pf, c, lo):
         p.add_argument("--out-dir", default="results")
-    from cluster.bench import faults as bench_faults, goodput as bench_goodput, prefix_routing as bench_prefix
-    from cluster.bench import serve as bench_serve, soak as bench_soak
+    from cluster.cli.bench import faults as bench_faults, goodput as bench_goodput, prefix_routing as bench_prefix
+    from cluster.cli.bench import serve as bench_serve, soak as bench_soak
 
     sv = sub.add_parser("serve", help="vLLM's own bench client: this cluster vs vLLM's server vs vLLM's stock P/D")
     bench_serve.add_args(sv)
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = bench_transfer(args.models.split(","), _pairs(args.pairs), [int(x) for x in args.tokens.split(",")], args.reps)
             write_results("transfer", rows, out_dir)
             return 0
-        from cluster.tiny_model import ensure_model
+        from cluster.cli.tiny_model import ensure_model
 
         model_dir = ensure_model(args.model)
         rows = []

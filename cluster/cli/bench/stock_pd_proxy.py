@@ -4,7 +4,7 @@ prefill server runs the prompt with max_tokens 1 and `kv_transfer_params: {"do_r
 decode server gets the original request plus the transfer parameters the prefill server returned, and its response
 (streamed or not) is passed through. Other routes (/v1/models, /tokenize, ...) go to the decode server.
 
-    python -m cluster.bench.stock_pd_proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+    python -m cluster.cli.bench.stock_pd_proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def make_app(prefill: str, decode: str) -> web.Application:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m cluster.bench.stock_pd_proxy")
+    ap = argparse.ArgumentParser(prog="python -m cluster.cli.bench.stock_pd_proxy")
     ap.add_argument("--prefill", required=True)
     ap.add_argument("--decode", required=True)
     ap.add_argument("--host", default="127.0.0.1")
