@@ -193,25 +193,23 @@ class DecodeChannel:
 
     async def _watchdog(self) -> None:
         """A hung engine sends nothing and its Ray stream stays open: while requests wait on the channel and nothing
-        has come for `stall_s`, ask the engine's health; if it is failed (not stepping) or dead - or does not answer
-        its health twice in a row (asked again at once after the first miss) - end the channel: its requests fail over
-        as for a dead engine. A healthy (busy) engine is asked again after another `stall_s`. Late outputs, should it
+        has come for `stall_s`, ask whether the engine is stuck (`EngineClient.stuck`: failed - not stepping - or dead,
+        or no answer to its health twice in a row); if so, end the channel: its requests fail over as for a dead
+        engine. A healthy (busy) engine is asked again after another `stall_s`. Late outputs, should it
         continue, reach no inbox."""
-        strikes = 0  # health answers in a row that were neither healthy nor a verdict of death (slow, unreachable)
         try:
             while not self.closed:
                 await asyncio.sleep(min(1.0, self.stall_s / 4))
                 silent = time.monotonic() - max(self.last_message, self._joined)
                 if not self.inboxes or silent < self.stall_s:
                     continue
-                verdict = await self.engine.verdict(probe_timeout_s(self.stall_s))
-                strikes = strikes + 1 if verdict.state != "healthy" else 0
-                if strikes == 0:  # healthy (busy): asked again after another stall_s of silence
+                verdict = await self.engine.stuck(probe_timeout_s(self.stall_s))  # the rule: `EngineClient.stuck`
+                if verdict is None:  # healthy (busy): asked again after another stall_s of silence
                     self.last_message = time.monotonic()
                     continue
-                if not verdict.gone and strikes < 2:  # slow to answer once: asked again at once
-                    continue
                 silent = time.monotonic() - max(self.last_message, self._joined)
+                if silent < self.stall_s:  # it spoke while being asked
+                    continue
                 self.error = RuntimeError(f"no output from decode engine {self.engine_id} for {silent:.0f} s, and it "
                                           f"is {verdict.why}")
                 log.warning("decode channel %s: %s; its %d requests fail over", self.id, self.error, len(self.inboxes))

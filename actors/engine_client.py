@@ -234,6 +234,16 @@ class EngineClient:
             return Verdict("failed", f"unhealthy ({health.why or 'its vLLM engine failed'})")
         return Verdict("healthy", "healthy")
 
+    async def stuck(self, timeout_s: float) -> Verdict | None:
+        """The one rule for an engine gone silent under a request (a decode stream without output, a prefill without
+        an answer, both for the stall time): its verdict when it is stuck - failed (not stepping) or dead, or no
+        healthy answer to its health twice in a row, the second asked at once - else None (healthy: a busy engine,
+        waited for)."""
+        verdict = await self.verdict(timeout_s)
+        if verdict.state != "healthy" and not verdict.gone:  # slow to answer once: asked again at once
+            verdict = await self.verdict(timeout_s)
+        return None if verdict.state == "healthy" else verdict
+
     def shutdown(self, timeout_s: float = 30.0) -> "ObjectRef[list[str]]":
         """Stop the vLLM engine and its processes; the shared-memory and TMPDIR files removed. Then `kill`."""
         return self.handle.shutdown.remote(timeout_s)

@@ -121,6 +121,8 @@ class Router:
         self.stall_s = stall_s
         self.failover_wait_s = failover_wait_s
         self.waited_for_capacity = 0  # streams failing over that found no engine and waited for one to join
+        self._listing: asyncio.Future | None = None  # the coordinator's engine lists, one poll shared by waiting streams
+        self._listing_at = 0.0
         self.decode_transport = decode_transport
         self.first_token_from_prefill = first_token_from_prefill
         self._engines: dict[str, EngineClient] = {}
@@ -291,11 +293,7 @@ class Router:
         replacement under the same id - and is taken off `avoid`."""
         left: set[str] = set()
         while True:
-            try:
-                routes = await self.routes()
-                listed = set(routes).union(*routes.values()) | set(await self._ask("ready", "decode"))
-            except CoordinatorUnavailable:
-                listed = None  # restarting: asked again
+            listed = await self._listed()
             if listed is not None:
                 left |= avoid - listed
                 for engine_id in left & listed:  # a new engine: nothing held for the old one applies to it
@@ -308,6 +306,22 @@ class Router:
             if time.monotonic() >= until:
                 return False
             await asyncio.sleep(CAPACITY_POLL_S)
+
+    async def _listed(self) -> set[str] | None:
+        """Every engine the coordinator lists (paired, or a ready decode engine); None while it does not answer. One
+        question per CAPACITY_POLL_S, shared by every stream waiting for capacity (a burst of failovers that find no
+        engine is one poll, not one per stream)."""
+        if self._listing is None or (self._listing.done() and time.monotonic() - self._listing_at >= CAPACITY_POLL_S):
+            self._listing_at = time.monotonic()
+            self._listing = asyncio.ensure_future(self._list_engines())
+        return await asyncio.shield(self._listing)
+
+    async def _list_engines(self) -> set[str] | None:
+        try:
+            routes = await self.routes()
+            return set(routes).union(*routes.values()) | set(await self._ask("ready", "decode"))
+        except CoordinatorUnavailable:
+            return None  # restarting: asked again
 
     def _forget(self, engine_id: str) -> None:
         """Drop what is cached about an engine that failed a request: its client, and its channel only if that broke
@@ -450,25 +464,22 @@ class Router:
             load.pending_tokens[p_id] -= uncached  # 0 unless the prefill never started
 
     async def _prefilled(self, prefill: EngineClient, ref: Any) -> Prefilled:
-        """A prefill's answer. Every `stall_s` without one the engine's health is asked: an engine found failed (not
-        stepping: `actors.engine_progress`) or dead raises `_Stuck` at once, one that does not answer its health
-        (slow, unreachable) twice in a row (the second asked at once) too, as does no answer within `prefill_timeout_s`; a busy, healthy engine is
-        waited for."""
+        """A prefill's answer. Every `stall_s` without one the engine is asked whether it is stuck
+        (`EngineClient.stuck`: failed - not stepping, `actors.engine_progress` - or dead, or no answer to its health
+        twice in a row): then, or with no answer within `prefill_timeout_s`, `_Stuck` is raised; a busy, healthy
+        engine is waited for."""
         waiting = asyncio.ensure_future(_awaitable(ref))
         t0 = time.monotonic()
-        strikes = 0  # health answers in a row that were neither healthy nor a verdict of death (slow, unreachable)
         try:
             while True:
                 left = self.prefill_timeout_s - (time.monotonic() - t0)
                 if left <= 0:
                     raise _Stuck(f"no answer within {self.prefill_timeout_s:.0f} s")
-                # after a health question went unanswered, the next is asked at once
-                done, _ = await asyncio.wait({waiting}, timeout=min(self.stall_s if not strikes else 0.1, left))
+                done, _ = await asyncio.wait({waiting}, timeout=min(self.stall_s, left))
                 if done:
                     return waiting.result()
-                verdict = await prefill.verdict(probe_timeout_s(self.stall_s))
-                strikes = strikes + 1 if verdict.state != "healthy" else 0
-                if verdict.gone or strikes >= 2:
+                verdict = await prefill.stuck(probe_timeout_s(self.stall_s))
+                if verdict is not None and not waiting.done():
                     raise _Stuck(f"no answer for {time.monotonic() - t0:.0f} s and the engine is {verdict.why}")
         finally:
             if not waiting.done():

@@ -183,6 +183,36 @@ def test_a_failover_waits_for_an_engine_only_so_long():
     assert router.waited_for_capacity == 1
 
 
+def test_streams_waiting_for_an_engine_share_one_poll():
+    """Ten streams whose only engine stopped under them wait together: the coordinator is asked for its lists about
+    once per poll interval, not once per stream (a burst of failovers would otherwise be a burst of questions)."""
+    from actors.router import CAPACITY_POLL_S
+
+    coordinator = ChangingCoordinator({"d": FakeEngine([tokens(5), ABORT])}, ["d"])
+    asked = []
+    ready = coordinator.ready.remote
+    coordinator.ready = SimpleNamespace(remote=lambda role: asked.append(role) or ready(role))
+    router = Router(coordinator, failover_wait_s=30)
+
+    async def scenario():
+        streams = [asyncio.ensure_future(collect(router)) for _ in range(10)]
+        await asyncio.sleep(0.3)
+        coordinator.decodes[:] = []  # the dead engine is taken out; all ten wait
+        asked.clear()
+        waited = 4 * CAPACITY_POLL_S
+        await asyncio.sleep(waited)
+        polls = len(asked)
+        coordinator.engines["d"] = FakeEngine([tokens(6, finish="length")])
+        coordinator.decodes[:] = ["d"]
+        outs = await asyncio.wait_for(asyncio.gather(*streams), 5)
+        return polls, waited, outs
+
+    polls, waited, outs = asyncio.run(scenario())
+    assert all([t for o in out for t in o["token_ids"]] == [5, 6] for out in outs)
+    assert router.waited_for_capacity == 10
+    assert 1 <= polls <= waited / CAPACITY_POLL_S + 2, polls  # one stream alone would ask as often; ten did not ask 10x
+
+
 def test_failover_is_bounded():
     """Every engine stops under the request after one token: two continuations, then a clear error."""
     engines = {f"{role}{i}": FakeEngine([tokens(10 + i), ABORT]) for i in range(4) for role in ("p", "d")}
@@ -326,3 +356,25 @@ def test_an_engine_silent_for_longer_than_the_limit_is_unresponsive():
     assert silence.saw(healthy, now=162) is healthy  # it answered: the silence is over
     assert silence.saw(slow, now=200).state == "slow" and not silence.saw(slow, now=259).gone
     assert silence.saw(Verdict("failed", "unhealthy"), now=300).gone  # a verdict of its own, passed on
+
+
+@pytest.mark.parametrize("answers, stuck", [
+    (["healthy"], None), (["slow", "healthy"], None), (["unreachable", "healthy"], None),
+    (["slow", "slow"], "slow"), (["unreachable", "slow"], "slow"), (["starting", "starting"], "starting"),
+    (["failed"], "failed"), (["dead"], "dead"), (["slow", "dead"], "dead"),
+])
+def test_the_one_rule_for_an_engine_gone_silent(answers, stuck):
+    """`EngineClient.stuck`, what a stalled decode stream and a prefill without an answer both go by: failed or dead
+    at once, no healthy answer twice in a row (the second asked at once), else healthy (waited for)."""
+    from actors.engine_client import EngineClient, Verdict
+
+    asked = []
+
+    class Scripted(EngineClient):
+        async def verdict(self, timeout_s: float = 10.0) -> Verdict:
+            asked.append(timeout_s)
+            return Verdict(answers[len(asked) - 1], answers[len(asked) - 1])
+
+    got = asyncio.run(Scripted(None, "e").stuck(3.0))
+    assert (got.state if got else None) == stuck
+    assert asked == [3.0] * len(answers)  # asked exactly as often as the rule needs, each with the timeout given
