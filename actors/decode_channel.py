@@ -54,6 +54,11 @@ def probe_timeout_s(stall_s: float) -> float:
     return min(HEALTH_TIMEOUT_S, max(stall_s, 3.0))
 
 
+class EngineStuck(RuntimeError):
+    """An engine alive but not serving: a request had nothing from it for the stall time and `EngineClient.stuck`
+    said so (a decode channel's watchdog, the router's wait for a prefill)."""
+
+
 @dataclass(frozen=True)
 class DecodeError:
     """A decode request that failed inside the engine (as a channel item): the exception's type name and message."""
@@ -210,7 +215,7 @@ class DecodeChannel:
                 silent = time.monotonic() - max(self.last_message, self._joined)
                 if silent < self.stall_s:  # it spoke while being asked
                     continue
-                self.error = RuntimeError(f"no output from decode engine {self.engine_id} for {silent:.0f} s, and it "
+                self.error = EngineStuck(f"no output from decode engine {self.engine_id} for {silent:.1f} s, and it "
                                           f"is {verdict.why}")
                 log.warning("decode channel %s: %s; its %d requests fail over", self.id, self.error, len(self.inboxes))
                 self._reader.cancel()

@@ -797,6 +797,7 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
             "routing_view_seconds": router.choice.view_seconds, "routing_view_failures": router.choice.view_failures,
             "scaling": desc.get("pools", {}), "colocated": dict(router.colocated), "degraded": router.degraded,
             "failed_over": router.failed_over, "waited_for_capacity": router.waited_for_capacity,
+            "suspected": router.choice.suspected,
             "first_from_prefill": router.first_from_prefill,
             "stale_routed": router.stale_routed, "local_prefill": router.local_prefill}
 

@@ -24,12 +24,15 @@ import time
 from collections import Counter
 from typing import Awaitable, Callable
 
-from actors.engine_client import error_text
+from actors.engine_client import UNRESPONSIVE_S, error_text
 from cluster.core.prefix import EngineView, choose_decode, choose_prefill, prefill_cost
 
 log = logging.getLogger("pd.router")
 POLICIES = ("cache", "load")
 VIEW_TIMEOUT_S = 0.5  # an engine's `resumable` answer later than this: routed as if it held nothing
+# an engine a request found stuck is avoided where another can take the request, this long (by then the coordinator
+# has taken an engine that stays silent out: `actors.engine_client.Silence`)
+SUSPECT_S = UNRESPONSIVE_S
 
 
 class NoCapacity(RuntimeError):
@@ -68,6 +71,8 @@ class PairChoice:
         self.headed_decoding: Counter[str] = Counter()  # of those, the ones already decoding (also in inflight)
         self.pending_tokens: Counter[str] = Counter()  # prefill engine id -> this router's prompt tokens routed there
         self.decisions: Counter[str] = Counter()  # prefill engines chosen, by reason (`cluster.core.prefix`)
+        self.suspects: dict[str, float] = {}  # engine id -> until when new requests avoid it (`suspect`)
+        self.suspected = 0  # engines marked so
         self.view_failures = 0  # engines that did not answer `resumable` in time
         self.views, self.view_seconds = 0, 0.0  # choices that asked the engines, and the seconds they waited
         self._rr: collections.defaultdict[str, itertools.count] = collections.defaultdict(itertools.count)
@@ -82,6 +87,7 @@ class PairChoice:
         it. NoCapacity when no approved decode engine is left."""
         local_by_cache, reason = False, "load"
         uncached = len(prompt_token_ids)
+        prefer_not = set(prefer_not) | self.wary()
         if pair is None and self.policy == "cache":
             p_id, d_id, uncached, local_by_cache, reason = await self._by_cost(prompt_token_ids, prefills, prefer_not,
                                                                               routes, avoid)
@@ -101,10 +107,30 @@ class PairChoice:
         return Choice(p_id, d_id, uncached, local, reason)
 
     def pick(self, candidates: list[str], role: str) -> str:
-        """The engine of `candidates` with the fewest of this router's requests (ties in turn)."""
+        """The engine of `candidates` with the fewest of this router's requests (ties in turn), a suspect only when
+        nothing else is left."""
         if not candidates:
             raise NoCapacity("no engine available")
-        return min(self.rotated(candidates, role), key=lambda e: self.inflight[e])
+        wary = self.wary()
+        return min(self.rotated([c for c in candidates if c not in wary] or candidates, role),
+                   key=lambda e: self.inflight[e])
+
+    def suspect(self, engine_id: str, why: str, now: float | None = None) -> None:
+        """A request found `engine_id` stuck (alive, not serving): new requests avoid it for SUSPECT_S where another
+        engine can take them - rather than each waiting out the stall time on it again - while the coordinator
+        decides (it takes out an engine that fails, dies or stays silent; one that recovers is used again after)."""
+        now = time.monotonic() if now is None else now
+        if self.suspects.get(engine_id, 0.0) <= now:
+            self.suspected += 1
+            log.warning("engine %s is avoided for %g s where another can serve: %s", engine_id, SUSPECT_S, why)
+        self.suspects[engine_id] = now + SUSPECT_S
+
+    def wary(self, now: float | None = None) -> set[str]:
+        """The engines new requests avoid now (`suspect`)."""
+        now = time.monotonic() if now is None else now
+        for engine_id in [e for e, until in self.suspects.items() if until <= now]:
+            del self.suspects[engine_id]
+        return set(self.suspects)
 
     def rotated(self, ids: list[str], role: str) -> list[str]:
         """`ids` from a round-robin start, one rotation per pool (shared, the prefill and decode choices of
@@ -143,7 +169,8 @@ class PairChoice:
         if len(candidates) == 1 and not local_rule:
             reason = "only"
         p_view = next(v for v in p_views if v.engine_id == p_id)
-        approved = self.rotated([d for d in routes[p_id] if d not in avoid], "decode")
+        approved = [d for d in routes[p_id] if d not in avoid]
+        approved = self.rotated([d for d in approved if d not in prefer_not] or approved, "decode")
         if not approved:
             raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
         d_known = {d: views.get(d, EngineView(d)) for d in approved}  # unasked: their load as this router sees it

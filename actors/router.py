@@ -39,7 +39,7 @@ from collections import Counter
 from typing import Any, AsyncIterator
 
 from actors.coordinator_client import CoordinatorClient
-from actors.decode_channel import STALL_S, DecodeChannel, DecodeError, probe_timeout_s
+from actors.decode_channel import STALL_S, DecodeChannel, DecodeError, EngineStuck, probe_timeout_s
 from actors.engine_client import EngineClient, Prefilled, error_text
 from actors.failover import FAILOVERS, continuation_params, continuation_refused, first_token_refused, is_delta
 from actors.pair_choice import POLICIES, NoCapacity, PairChoice
@@ -60,10 +60,6 @@ async def _awaitable(ref: Any) -> Any:
     return await ref
 
 
-class _Stuck(RuntimeError):
-    """An engine that stopped answering a request while alive (hung)."""
-
-
 class CoordinatorUnavailable(NoCapacity):
     """The coordinator did not answer (restarting, overloaded or gone)."""
 
@@ -73,12 +69,15 @@ class EngineFailure(RuntimeError):
     could not read the state: `engine_id` is then the prefill engine) or 'verify' (what it read differs from the
     prefill side's bytes, transfer.verify: `engine_id` is the prefill engine; no engine is at fault as far as anyone
     knows, so the retry prefers another pair but may take the same). `streamed`: tokens had already reached the
-    caller (then the request cannot be retried transparently)."""
+    caller (then the request cannot be retried transparently). `stuck`: the engine is alive but did not serve
+    (`EngineStuck`): new requests avoid it for a while (`PairChoice.suspect`)."""
 
     def __init__(self, phase: str, engine_id: str, cause: BaseException | str, streamed: bool = False):
-        super().__init__(f"{phase} failed on engine {engine_id}: {error_text(cause) if isinstance(cause, BaseException) else cause}")
+        text = str(cause) if isinstance(cause, EngineStuck) else error_text(cause) if isinstance(cause, BaseException) else cause
+        super().__init__(f"{phase} failed on engine {engine_id}: {text}")
         self.phase, self.engine_id, self.streamed = phase, engine_id, streamed
         self.engine_died = isinstance(cause, BaseException) and _is_actor_death(cause)
+        self.stuck = isinstance(cause, EngineStuck)
 
 
 def _is_actor_death(e: BaseException) -> bool:
@@ -266,6 +265,8 @@ class Router:
                 continue
             except EngineFailure as e:
                 verify = e.phase == "verify"
+                if e.stuck:  # alive but not serving: until the coordinator decides, new requests go elsewhere
+                    self.choice.suspect(e.engine_id, str(e))
                 if not verify:
                     self._forget(e.engine_id)  # ask the coordinator again: it may have left or been replaced
                     self._background(self._report_failure(e.engine_id))
@@ -409,11 +410,11 @@ class Router:
                                   first_token=params if first_token else None, continued=continued)
             try:
                 prefilled: Prefilled = await self._prefilled(prefill, ref)
-            except (asyncio.CancelledError, _Stuck) as e:  # client gone, or a hung engine: stop it
+            except (asyncio.CancelledError, EngineStuck) as e:  # client gone, or a hung engine: stop it
                 self._background(self._cancel_prefill(prefill, ref))
                 if isinstance(e, asyncio.CancelledError):
                     raise
-                raise EngineFailure("prefill", p_id, str(e)) from None
+                raise EngineFailure("prefill", p_id, e) from None
             except Exception as e:
                 raise EngineFailure("prefill", p_id, e) from None
             finally:
@@ -466,7 +467,7 @@ class Router:
     async def _prefilled(self, prefill: EngineClient, ref: Any) -> Prefilled:
         """A prefill's answer. Every `stall_s` without one the engine is asked whether it is stuck
         (`EngineClient.stuck`: failed - not stepping, `actors.engine_progress` - or dead, or no answer to its health
-        twice in a row): then, or with no answer within `prefill_timeout_s`, `_Stuck` is raised; a busy, healthy
+        twice in a row): then, or with no answer within `prefill_timeout_s`, `EngineStuck` is raised; a busy, healthy
         engine is waited for."""
         waiting = asyncio.ensure_future(_awaitable(ref))
         t0 = time.monotonic()
@@ -474,13 +475,13 @@ class Router:
             while True:
                 left = self.prefill_timeout_s - (time.monotonic() - t0)
                 if left <= 0:
-                    raise _Stuck(f"no answer within {self.prefill_timeout_s:.0f} s")
+                    raise EngineStuck(f"no answer within {self.prefill_timeout_s:.0f} s")
                 done, _ = await asyncio.wait({waiting}, timeout=min(self.stall_s, left))
                 if done:
                     return waiting.result()
                 verdict = await prefill.stuck(probe_timeout_s(self.stall_s))
                 if verdict is not None and not waiting.done():
-                    raise _Stuck(f"no answer for {time.monotonic() - t0:.0f} s and the engine is {verdict.why}")
+                    raise EngineStuck(f"no answer for {time.monotonic() - t0:.0f} s and the engine is {verdict.why}")
         finally:
             if not waiting.done():
                 waiting.cancel()  # the Ray call itself is cancelled by the caller (`_cancel_prefill`)

@@ -10,6 +10,7 @@ with requests in flight) and tests/test_faults.py (the last engine killed under 
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -211,6 +212,39 @@ def test_streams_waiting_for_an_engine_share_one_poll():
     assert all([t for o in out for t in o["token_ids"]] == [5, 6] for out in outs)
     assert router.waited_for_capacity == 10
     assert 1 <= polls <= waited / CAPACITY_POLL_S + 2, polls  # one stream alone would ask as often; ten did not ask 10x
+
+
+class SilentEngine(FakeEngine):
+    """A decode engine alive but stuck: it takes requests and sends nothing; its health goes unanswered."""
+
+    def submit_decode(self, channel_id, rid, prompt, params, kv_params, continued=0):
+        self.submitted.append((list(prompt), params, kv_params))
+        return _ready(None)
+
+    async def stuck(self, timeout_s):
+        from actors.engine_client import Verdict
+
+        return Verdict("slow", f"no answer within {timeout_s:.0f} s")
+
+
+@pytest.mark.parametrize("policy", ["cache", "load"])
+def test_an_engine_found_stuck_is_avoided_by_the_next_requests(policy):
+    """A request finds decode engine d1 stuck (no output for the stall time, no health answer twice) and is retried
+    on d2; the requests after it go to d2 at once instead of each waiting out the stall on d1 again (the coordinator
+    still lists d1: it has not decided yet). With no other engine left a suspect is still used."""
+    d1, d2 = SilentEngine([]), FakeEngine([tokens(5, finish="length")])
+    coordinator = FakeCoordinator({"p": FakeEngine([]), "d1": d1, "d2": d2}, [("p", "d1"), ("p", "d2")])
+    router = Router(coordinator, stall_s=0.2, policy=policy)
+
+    async def run():
+        return [await collect(router) for _ in range(4)]
+
+    outs = asyncio.run(run())
+    assert all([t for o in out for t in o["token_ids"]] == [5] for out in outs)
+    assert (len(d1.submitted), len(d2.submitted), router.retried) == (1, 4, 1)
+    assert router.choice.suspected == 1 and router.choice.wary() == {"d1"} and coordinator.reported == ["d1"]
+    assert router.choice.pick(["d1"], "decode") == "d1"  # the only one left: used
+    assert router.choice.wary(now=time.monotonic() + 3600) == set()  # and trusted again after SUSPECT_S
 
 
 def test_failover_is_bounded():

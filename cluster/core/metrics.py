@@ -131,6 +131,8 @@ class _ClusterCollector:
                  "failed mid-stream"),
                 ("pd_requests_waited_for_engine", "waited_for_capacity", "Streams failing over that found no "
                  "ready engine and waited for one to join (routing.failover_wait_s)"),
+                ("pd_engines_avoided", "suspected", "Engines a request found stuck (alive, not serving) that new "
+                 "requests then avoided where another engine could serve them, for PD_ENGINE_UNRESPONSIVE_S"),
                 ("pd_requests_on_last_routes", "stale_routed", "Requests routed on the coordinator's last routes "
                  "while it did not answer (restarting)"),
                 ("pd_first_tokens_from_prefill", "first_from_prefill", "Requests whose first token the prefill "
