@@ -308,6 +308,16 @@ class Router:
                 return False
             await asyncio.sleep(CAPACITY_POLL_S)
 
+    async def _servable(self, routes: dict[str, list[str]], avoid: set[str]) -> bool:
+        """Whether an engine outside `avoid` can take a request: a ready prefill engine (paired, or alone), or a ready
+        decode engine alone."""
+        if any(p not in avoid for p in routes):
+            return True
+        try:
+            return any(d not in avoid for d in await self._ask("ready", "decode"))
+        except CoordinatorUnavailable:
+            return False
+
     async def _listed(self) -> set[str] | None:
         """Every engine the coordinator lists (paired, or a ready decode engine); None while it does not answer. One
         question per CAPACITY_POLL_S, shared by every stream waiting for capacity (a burst of failovers that find no
@@ -367,9 +377,14 @@ class Router:
     async def _once(self, prompt_token_ids, params, rid, pair, avoid: set[str],
                     prefer_not: frozenset[str] | set[str] = frozenset(), continued: int = 0) -> AsyncIterator[Any]:
         """One attempt on one pair (or one engine, degraded). `continued`: the prompt's last tokens are output the
-        caller already has (a failover's continuation)."""
+        caller already has (a failover's continuation). Engines a request found stuck (`PairChoice.suspect`) are
+        left out like those of `avoid` while anything else can serve - another pair, or one engine alone - rather
+        than each request waiting out the stall on them again."""
         routes = await self.routes()
         self.stale_routed += self.coordinator_unreachable
+        wary = self.choice.wary() - avoid if pair is None else set()
+        if wary and await self._servable(routes, avoid | wary):
+            avoid = avoid | wary
         prefills = [p for p in routes if p not in avoid]
         if pair is None:
             paired = [p for p in prefills if any(d not in avoid for d in routes[p])]

@@ -195,6 +195,10 @@ def test_an_engine_stuck_as_a_whole_is_taken_out_and_not_trusted_again(cl):
     try:
         out = asyncio.run(_one(router, prompt, 8))  # its prefill engine answers nothing: served elsewhere
         served_after = time.monotonic() - t0
+        t1 = time.monotonic()  # the next request does not try it again (the coordinator has not decided yet)
+        again = asyncio.run(_one(router, prompt, 8))
+        again_s = time.monotonic() - t1
+        listed = victim in ray.get(coordinator.ready("prefill"))  # still listed: the router avoided it by itself
         deadline = t0 + 60
         while victim in ray.get(coordinator.ready("prefill")) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -203,8 +207,11 @@ def test_an_engine_stuck_as_a_whole_is_taken_out_and_not_trusted_again(cl):
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
-    print(f"a request served {served_after:.1f} s after the whole engine stopped; taken out after {out_after:.1f} s")
-    assert out == oracle(prompt, 8)
+    print(f"a request served {served_after:.1f} s after the whole engine stopped, the next in {again_s:.1f} s (the "
+          f"engine {'still' if listed else 'no longer'} listed); "
+          f"taken out after {out_after:.1f} s")
+    assert out == oracle(prompt, 8) and again == out
+    assert again_s < STALL_S and router.choice.suspected == 1, (again_s, router.choice.suspects)
     why = [r["why"] for r in ray.get(coordinator.removed_engines()) if r["engine_id"] == victim]
     assert why and why[-1].startswith("unresponsive: no health answer"), why
     deadline = time.monotonic() + 30

@@ -247,6 +247,23 @@ def test_an_engine_found_stuck_is_avoided_by_the_next_requests(policy):
     assert router.choice.wary(now=time.monotonic() + 3600) == set()  # and trusted again after SUSPECT_S
 
 
+def test_with_its_only_decode_engine_stuck_requests_are_served_whole_by_a_prefill_engine():
+    """The decode pool's only engine is found stuck: the request that found it is served whole by the prefill
+    engine (degraded mode), and so are the next ones, at once, instead of each being sent to the stuck engine and
+    waiting out the stall first."""
+    d1, p = SilentEngine([]), FakeEngine([tokens(7, finish="length")])
+    coordinator = FakeCoordinator({"p": p, "d1": d1}, [("p", "d1")])
+    router = Router(coordinator, stall_s=0.2)
+
+    async def run():
+        return [await collect(router) for _ in range(3)]
+
+    outs = asyncio.run(run())
+    assert all([t for o in out for t in o["token_ids"]] == [7] for out in outs)
+    assert (len(d1.submitted), len(p.submitted), router.retried) == (1, 3, 1)
+    assert router.colocated["prefill"] == 3 and router.choice.wary() == {"d1"}
+
+
 def test_failover_is_bounded():
     """Every engine stops under the request after one token: two continuations, then a clear error."""
     engines = {f"{role}{i}": FakeEngine([tokens(10 + i), ABORT]) for i in range(4) for role in ("p", "d")}
