@@ -427,65 +427,30 @@ def measure(name: str, url: str, model: str, tokenizer_dir: str, args: Any, *, a
 
 
 def bench_cluster(cfg: Any, model_dir: str, args: Any) -> list[dict]:
-    """The deploy file's cluster, as `make run` starts it (`cluster.cli.launch.serve`), on a local Ray instance of its
-    own; stopped, with Serve, afterwards."""
-    import ray
+    """The deploy file's cluster, as `make run` starts it (`cluster.cli.bench.targets.local_cluster`)."""
+    from cluster.cli.bench.targets import local_cluster
 
-    from cluster.cli.launch import serve, stop_cluster
-
-    api_key = cfg.http.resolved_api_key()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=cfg.coordinator.namespace)
-    cluster = None
-    try:
-        cluster = serve(cfg, progress=lambda m: print(f"  cluster: {m}", flush=True))
-        return measure("cluster", cluster.url, cfg.model.name, model_dir, args, api_key=api_key,
+    with local_cluster(cfg) as cluster:
+        return measure("cluster", cluster.url, cfg.model.name, model_dir, args, api_key=cfg.http.resolved_api_key(),
                        timeout_s=args.rate_timeout)
-    finally:
-        try:
-            if cluster is not None:
-                stop_cluster(cluster, shutdown_serve=True, progress=lambda m: None)
-        except Exception as e:  # noqa: BLE001 - the measured rows stand; the failure to stop is reported
-            print(f"  cluster: could not stop cleanly: {e}", flush=True)
-        ray.shutdown()
 
 
 def bench_vllm(model_dir: str, name: str, tp: int, caching: bool, args: Any, logs: Path) -> list[dict]:
-    """vLLM's own OpenAI server, colocated, at TP `tp` (`cluster.cli.bench.serve._vllm_server`: the cluster's per-engine
-    environment)."""
-    from actors.engine import free_port
-    from cluster.cli.bench.serve import _stop, _vllm_server, _wait_http
+    """vLLM's own OpenAI server, colocated, at TP `tp` (`cluster.cli.bench.targets.vllm_server`: the cluster's
+    per-engine environment)."""
+    from cluster.cli.bench.targets import vllm_server
 
-    port = free_port()
-    procs = [_vllm_server(model_dir, name, tp, port, logs / f"vllm-tp{tp}.log", prefix_caching=caching)]
-    try:
-        print(f"  vllm-tp{tp}: server up in {_wait_http(f'http://127.0.0.1:{port}', procs):.0f} s", flush=True)
-        return measure(f"vllm-tp{tp}", f"http://127.0.0.1:{port}", name, model_dir, args, timeout_s=args.rate_timeout)
-    finally:
-        _stop(procs)
+    with vllm_server(model_dir, name, tp, logs, caching) as url:
+        return measure(f"vllm-tp{tp}", url, name, model_dir, args, timeout_s=args.rate_timeout)
 
 
 def bench_stock_pd(model_dir: str, name: str, p_tp: int, d_tp: int, caching: bool, args: Any, logs: Path) -> list[dict]:
-    """vLLM's stock P/D at the deploy file's TP sizes: a prefill and a decode server with its NixlConnector behind
-    `cluster.cli.bench.stock_pd_proxy` (as `cluster.cli.bench.serve.bench_stock_pd` starts them), `--stock-timeout` seconds per rate."""
-    from actors.engine import free_port
-    from cluster.cli.bench.serve import _stop, _vllm_server, _wait_http
+    """vLLM's stock P/D at the deploy file's TP sizes (`cluster.cli.bench.targets.stock_pd`), `--stock-timeout`
+    seconds per rate."""
+    from cluster.cli.bench.targets import stock_pd
 
-    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
-    procs = [_vllm_server(model_dir, name, p_tp, p_port, logs / "stock-prefill.log", "kv_producer",
-                          prefix_caching=caching),
-             _vllm_server(model_dir, name, d_tp, d_port, logs / "stock-decode.log", "kv_consumer",
-                          prefix_caching=caching)]
-    try:
-        took = max(_wait_http(f"http://127.0.0.1:{p}", procs) for p in (p_port, d_port))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli.bench.stock_pd_proxy", "--prefill", f"http://127.0.0.1:{p_port}",
-             "--decode", f"http://127.0.0.1:{d_port}", "--port", str(proxy_port)], cwd=REPO,
-            stdout=(logs / "stock-proxy.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_http(f"http://127.0.0.1:{proxy_port}", procs, 60)
-        print(f"  stock-pd: prefill TP {p_tp} + decode TP {d_tp} servers up in {took:.0f} s", flush=True)
-        return measure("stock-pd", f"http://127.0.0.1:{proxy_port}", name, model_dir, args, timeout_s=args.stock_timeout)
-    finally:
-        _stop(procs)
+    with stock_pd(model_dir, name, p_tp, d_tp, logs, caching) as url:
+        return measure("stock-pd", url, name, model_dir, args, timeout_s=args.stock_timeout)
 
 
 def deploy_for_bench(cfg: Any, port: int, prefix_caching: str) -> Any:
@@ -503,7 +468,7 @@ def deploy_for_bench(cfg: Any, port: int, prefix_caching: str) -> Any:
     return cfg
 
 
-VLLM_SERVER_MAX_MODEL_LEN = 2048  # cluster.cli.bench.serve._vllm_server's --max-model-len
+VLLM_SERVER_MAX_MODEL_LEN = 2048  # cluster.cli.bench.targets.server_process's --max-model-len
 
 
 def check_workload(args: Any, max_model_len: int) -> None:

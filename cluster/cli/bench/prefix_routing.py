@@ -9,7 +9,7 @@ Targets, each started, run through every workload of `--workloads` in turn, then
          `local_prefill_when_idle`), `--kv-cache-gib` per engine, and `routing.policy: cache`;
   load   the same cluster with `routing.policy: load` (prefixes ignored);
   vllm   vLLM's own OpenAI server, one engine at TP 1 with prefix caching on, started as `bench goodput` starts it
-         (`cluster.cli.bench.serve._vllm_server`: its KV cache is that helper's, 1 GiB).
+         (`cluster.cli.bench.targets.vllm_server`: its KV cache is the cluster's per-engine one, 1 GiB).
 Workloads, in this order on each target (the multi-turn one first, on empty caches):
   multi-turn  `--conversations` conversations at once, `--turns` turns each, written here with the official `openai`
               client (AsyncOpenAI, streamed /v1/completions with token-id prompts and vLLM's `return_token_ids`): each
@@ -786,47 +786,25 @@ def run_workloads(target: str, kind: str, url: str, api_key: str | None, block_s
 
 def bench_cluster(target: str, cfg: Any, model_dir: str, token_ids: list[int], args: Any,
                   spec: MultiTurn) -> dict[str, Any]:
-    """The bench's cluster with `routing.policy` = the target's, as `make run` starts it (`cluster.cli.launch.serve`),
-    on a local Ray instance of its own; stopped, with Serve, afterwards."""
-    import ray
-
+    """The bench's cluster with `routing.policy` = the target's, as `make run` starts it
+    (`cluster.cli.bench.targets.local_cluster`)."""
     from actors.engine import free_port
-    from cluster.cli.launch import serve, stop_cluster
+    from cluster.cli.bench.targets import local_cluster
 
     cfg = deploy_for_prefix_bench(cfg, free_port(), CLUSTER_TARGETS[target], args.kv_cache_gib)
-    api_key = cfg.http.resolved_api_key()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=cfg.coordinator.namespace)
-    cluster = None
-    try:
-        t0 = time.monotonic()
-        cluster = serve(cfg, progress=lambda m: print(f"  {target}: {m}", flush=True))
-        print(f"  {target}: cluster up in {time.monotonic() - t0:.0f} s at {cluster.url}", flush=True)
-        return run_workloads(target, "cluster", cluster.url, api_key, cluster_block_size(cluster), cfg.model.name,
-                             model_dir, token_ids, args, spec)
-    finally:
-        try:
-            if cluster is not None:
-                stop_cluster(cluster, shutdown_serve=True, progress=lambda m: None)
-        except Exception as e:  # noqa: BLE001 - the measured figures stand; the failure to stop is reported
-            print(f"  {target}: could not stop cleanly: {e}", flush=True)
-        ray.shutdown()
+    with local_cluster(cfg, target) as cluster:
+        return run_workloads(target, "cluster", cluster.url, cfg.http.resolved_api_key(), cluster_block_size(cluster),
+                             cfg.model.name, model_dir, token_ids, args, spec)
 
 
 def bench_vllm(model_dir: str, name: str, token_ids: list[int], args: Any, spec: MultiTurn, logs: Path,
                fallback_block: int) -> dict[str, Any]:
-    """vLLM's own OpenAI server, one engine at TP 1 with prefix caching on (`cluster.cli.bench.serve._vllm_server`)."""
-    from actors.engine import free_port
-    from cluster.cli.bench.serve import _stop, _vllm_server, _wait_http
+    """vLLM's own OpenAI server, one engine at TP 1 with prefix caching on (`cluster.cli.bench.targets.vllm_server`)."""
+    from cluster.cli.bench.targets import vllm_server
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    procs = [_vllm_server(model_dir, name, 1, port, logs / "vllm-tp1.log", prefix_caching=True)]
-    try:
-        print(f"  vllm: server up in {_wait_http(url, procs):.0f} s (log {logs / 'vllm-tp1.log'})", flush=True)
+    with vllm_server(model_dir, name, 1, logs, prefix_caching=True, label="vllm-tp1") as url:
         block = vllm_block_size(url) or fallback_block
         return run_workloads("vllm", "vllm", url, None, block, name, model_dir, token_ids, args, spec)
-    finally:
-        _stop(procs)
 
 
 # ---- the command --------------------------------------------------------------------------------------------------
@@ -931,7 +909,7 @@ def main(args: Any) -> int:
               "random": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len},
               "concurrency": args.concurrency, "seed": args.seed, "step_timeout_s": args.step_timeout,
               "vllm_server": "vllm.entrypoints.openai.api_server, TP 1, prefix caching on, 1 GiB KV "
-                             "(cluster.cli.bench.serve._vllm_server)",
+                             "(cluster.cli.bench.targets.vllm_server)",
               "client": "multi-turn: openai.AsyncOpenAI, streamed /v1/completions; prefix and random: "
                         "vllm.benchmarks.serve (unmodified, a subprocess per workload)"}
     path.write_text(json.dumps({"benchmark": "prefix-routing", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

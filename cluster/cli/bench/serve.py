@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -69,55 +67,6 @@ def _client_main(argv: list[str]) -> int:
     add_cli_args(parser)
     main(parser.parse_args(argv))
     return 0
-
-
-# ---- targets ------------------------------------------------------------------------------------------------------
-def _engine_env(tp: int, port: int) -> dict[str, str]:
-    from actors.engine import engine_env
-
-    env = {**os.environ, **engine_env(tp)}
-    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
-    return env
-
-
-def _vllm_server(model_dir: str, name: str, tp: int, port: int, log: Path, kv_role: str | None = None,
-                 side_port: int | None = None, prefix_caching: bool = False) -> subprocess.Popen:
-    from actors.engine import free_port
-
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
-            name, "-tp", str(tp), "--distributed-executor-backend", "mp", "--dtype", "bfloat16", "--max-model-len",
-            "2048", "--enforce-eager", "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
-    if kv_role:
-        argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
-                                                     "kv_buffer_device": "cpu"})]
-    return subprocess.Popen(argv, env=_engine_env(tp, side_port or free_port()), stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait_http(url: str, procs: list[subprocess.Popen], timeout_s: float = 600) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a server exited while starting (see the logs under results/bench_serve_logs)")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                return time.monotonic() - t0
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(2)
-    raise TimeoutError(f"{url} did not come up in {timeout_s:.0f} s")
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
 
 
 def _local_prefills(url: str) -> float:
@@ -157,11 +106,9 @@ def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[
 def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int,
                   prefix_caching: bool = False, local_prefill_queue: int | None = None,
                   local_prefill_when_idle: bool = False, share_cores: bool = False) -> list[dict]:
-    import ray
-
     from actors.engine import free_port
+    from cluster.cli.bench.targets import local_cluster
     from cluster.core.config import DeployConfig
-    from cluster.cli.launch import serve, stop_cluster
 
     cfg = DeployConfig.model_validate({
         "model": {"path": model_dir, "name": "tiny-hybrid"},
@@ -171,51 +118,24 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
         "transfer": {"local_prefill_queue": local_prefill_queue, "local_prefill_when_idle": local_prefill_when_idle},
         "http": {"port": free_port()},
     })
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pd-bench-serve")
-    cluster = None
-    try:
-        cluster = serve(cfg, progress=lambda m: print(f"  cluster: {m}", flush=True))  # as `make run` does
+    with local_cluster(cfg) as cluster:  # as `make run` starts it
         return _measure("cluster", cluster.url, "tiny-hybrid", model_dir, loads, input_len, output_len)
-    finally:
-        if cluster is not None:
-            stop_cluster(cluster, shutdown_serve=True, progress=lambda m: None)
-        ray.shutdown()
 
 
 def bench_vllm_server(model_dir: str, tp: int, loads, input_len: int, output_len: int, logs: Path,
                       prefix_caching: bool = False) -> list[dict]:
-    from actors.engine import free_port
+    from cluster.cli.bench.targets import vllm_server
 
-    port, name = free_port(), f"vllm-tp{tp}"
-    procs = [_vllm_server(model_dir, "tiny-hybrid", tp, port, logs / f"{name}.log", prefix_caching=prefix_caching)]
-    try:
-        print(f"  {name}: server up in {_wait_http(f'http://127.0.0.1:{port}', procs):.0f} s", flush=True)
-        return _measure(name, f"http://127.0.0.1:{port}", "tiny-hybrid", model_dir, loads, input_len, output_len)
-    finally:
-        _stop(procs)
+    with vllm_server(model_dir, "tiny-hybrid", tp, logs, prefix_caching) as url:
+        return _measure(f"vllm-tp{tp}", url, "tiny-hybrid", model_dir, loads, input_len, output_len)
 
 
 def bench_stock_pd(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int, logs: Path,
                    timeout_s: float = 600, prefix_caching: bool = False) -> list[dict]:
-    from actors.engine import free_port
+    from cluster.cli.bench.targets import stock_pd
 
-    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
-    procs = [_vllm_server(model_dir, "tiny-hybrid", p_tp, p_port, logs / "stock-prefill.log", "kv_producer",
-                          prefix_caching=prefix_caching),
-             _vllm_server(model_dir, "tiny-hybrid", d_tp, d_port, logs / "stock-decode.log", "kv_consumer",
-                          prefix_caching=prefix_caching)]
-    try:
-        took = max(_wait_http(f"http://127.0.0.1:{p}", procs) for p in (p_port, d_port))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli.bench.stock_pd_proxy", "--prefill", f"http://127.0.0.1:{p_port}",
-             "--decode", f"http://127.0.0.1:{d_port}", "--port", str(proxy_port)],
-            stdout=(logs / "stock-proxy.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_http(f"http://127.0.0.1:{proxy_port}", procs, 60)
-        print(f"  stock-pd: prefill TP {p_tp} + decode TP {d_tp} servers up in {took:.0f} s", flush=True)
-        return _measure("stock-pd", f"http://127.0.0.1:{proxy_port}", "tiny-hybrid", model_dir, loads, input_len,
-                        output_len, timeout_s=timeout_s)
-    finally:
-        _stop(procs)
+    with stock_pd(model_dir, "tiny-hybrid", p_tp, d_tp, logs, prefix_caching) as url:
+        return _measure("stock-pd", url, "tiny-hybrid", model_dir, loads, input_len, output_len, timeout_s=timeout_s)
 
 
 def table(summary: list[dict]) -> list[str]:
