@@ -2,8 +2,9 @@
 the prompt's state from a prefill engine, and the decode channels that batch a front end's outputs per engine step.
 It owns the open decode channels; it reports each request to the load component (`EngineLoad`: counters, first
 served), asks transfer.verify (`EngineVerify`) which reads are checked and how their checks ended, and records
-prompts in the prefix record. `decode` (a plain per-request stream) serves tests' and benchmarks' references; the
-router uses `decode_channel` + `submit_decode`."""
+prompts in the prefix record. Every decode request runs one path (`_start`, `_pump`): the router's, with
+`decode_channel` + `submit_decode`, and `decode`, a plain per-request stream of dicts over a private channel for
+tests' and benchmarks' references."""
 
 from __future__ import annotations
 
@@ -33,8 +34,7 @@ def _ranked(step: dict[int, Any]) -> list[tuple[int, float]]:
 
 
 def _as_item(output: Any) -> dict[str, Any]:
-    """A decode output as `decode` streams it: token ids, text and finish reason, and logprobs (per token, ranked) and
-    prompt logprobs when the output has them."""
+    """A decode output as `decode` streams it (logprobs ranked, per position)."""
     c = output.outputs[0]
     item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
     if c.logprobs:
@@ -124,32 +124,29 @@ class EngineServing:
         return final
 
     async def decode(self, prompt_token_ids: list[int], sampling: dict[str, Any], kv_transfer_params: dict[str, Any] | None, request_id: str):
-        """Stream a request's new tokens: {"token_ids", "text", "finish_reason"} per step. With
-        `kv_transfer_params` the prompt's state is pulled from the prefill engine they name; without, the engine runs
-        the whole request itself (colocated)."""
+        """Stream a request's new tokens: {"token_ids", "text", "finish_reason"[, "logprobs", "prompt_logprobs"]} per
+        step; `sampling`: vLLM SamplingParams' keywords. With `kv_transfer_params` the prompt's state is read from the
+        prefill engine they name; without, the engine runs the whole request (colocated). It runs as `submit_decode`'s
+        requests do, on a channel of its own; an error output (`DecodeError`) is raised, a RuntimeError."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        engine = self._live.required()
+        self._live.required()
         self._meter.refuse_if_draining()
         extra = dict(sampling.pop("extra_args", None) or {})
-        verified = None
-        if kv_transfer_params is not None:
-            extra["kv_transfer_params"] = kv_transfer_params
-            verified = self._verifier.expect(kv_transfer_params)
         params = SamplingParams(**sampling, extra_args=extra or None, output_kind=RequestOutputKind.DELTA)
-        self._meter.decode_started()
-        colocated = kv_transfer_params is None
+        outbox = Outbox()
+        task = self._start(outbox, request_id, prompt_token_ids, params, kv_transfer_params)
+        task.add_done_callback(lambda _: outbox.ready.set())  # its end wakes `take` even with no output waiting
         try:
-            async for output in engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
-                if colocated:  # its prefix-cache hit (a read's is counted with the read)
-                    self._totals.cached_prompt_tokens += output.num_cached_tokens or 0
-                    colocated = False
-                self._meter.served()
-                yield _as_item(output)
-        finally:
-            self._meter.decode_done()
-            self._verifier.forget(verified)
+            while not (task.done() and not outbox.items):
+                for _, output in await outbox.take():
+                    if isinstance(output, DecodeError):
+                        raise RuntimeError(f"{output.kind}: {output.message}")
+                    yield _as_item(output)
+        finally:  # the stream closed or cancelled: so is the request (aborted in the engine), and counted so
+            task.cancel()
+            await asyncio.wait([task])
 
     async def decode_channel(self, channel_id: str, address: str | None = None, backlog: int = CHANNEL_BACKLOG):
         """A front end's one stream of decode outputs from this engine (call with num_returns="streaming"): each
@@ -186,6 +183,12 @@ class EngineServing:
         channel = self._channels.get(channel_id)
         if channel is None:
             raise RuntimeError(f"decode channel {channel_id} is not open on engine {self.engine_id}")
+        self._start(channel, request_id, prompt_token_ids, params, kv_transfer_params, continued)
+
+    def _start(self, outbox: Outbox, request_id: str, prompt_token_ids: list[int], params: Any,
+               kv_transfer_params: dict[str, Any] | None, continued: int = 0) -> asyncio.Task:
+        """Start one decode request whose outputs go to `outbox` (a front end's channel, or `decode`'s own); counted
+        as a decode until its task ends."""
         remote_id = None
         if kv_transfer_params is not None:
             params = params.clone()
@@ -197,10 +200,11 @@ class EngineServing:
             remote_id = self._verifier.expect(kv_transfer_params)
         self._meter.decode_started()
         task = asyncio.get_running_loop().create_task(
-            self._pump(channel, request_id, prompt_token_ids, params, remote_id, continued, kv_transfer_params is None))
-        channel.tasks.add(task)
-        task.add_done_callback(channel.tasks.discard)
+            self._pump(outbox, request_id, prompt_token_ids, params, remote_id, continued, kv_transfer_params is None))
+        outbox.tasks.add(task)
+        task.add_done_callback(outbox.tasks.discard)
         task.add_done_callback(self._pump_done)
+        return task
 
     def _pump_done(self, _: asyncio.Task) -> None:  # also when cancelled before it ran
         self._meter.decode_done()
