@@ -9,10 +9,16 @@ The per-engine environment (`engine_env`) travels in the actor's `runtime_env`; 
 private TMPDIR that the actor creates. Engines run eagerly by default (no torch.compile): startup ~15-30 s on
 2 cores instead of ~45-90 s. `kv_transfer_config` and `engine_kwargs` pass straight to vLLM's engine arguments.
 
-The actor is split by concern, one module each: serving (`engine_serving`: prefill, decode, decode channels),
-pairing (`engine_pairs`: registration, pair plans, transfer records), transfer.verify (`engine_verify`), load and
-draining (`engine_load`), processes and clean-up (`engine_procs`). Nobody calls the actor directly: everything talks
-to it through `actors.engine_client.EngineClient`, which `launch_engine_actor` returns.
+The actor is made of components, one per concern and module, each the one owner of its state, built by the actor's
+constructor with what it needs of the others: `EngineServing` (`engine_serving`: prefill, decode, decode channels),
+`EnginePairs` (`engine_pairs`: registration, pair plans, transfer records, the engine's `TransferTotals`),
+`EngineVerify` (`engine_verify`: transfer.verify), `EngineLoad` (`engine_load`: load counters and draining) and
+`EngineProcesses` (`engine_procs`: processes and clean-up), next to the prefix record (`engine_prefix`), the progress
+watch (`engine_progress`) and the connector's ranks (`connector_ranks`). The vLLM engine itself is reached through
+one accessor (`engine_procs.LiveEngine`). Ray exposes only the methods of the actor class: each remote method the
+actor does not answer itself (start-up, health, routing views) is one line that hands the call to its component.
+Nobody calls the actor directly: everything talks to it through `actors.engine_client.EngineClient`, which
+`launch_engine_actor` returns.
 
 Typical use:
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import random
@@ -41,14 +48,16 @@ import ray
 
 from actors.cores import bind_this_thread, lease_cores, node_cores, normal_priority, thread_affinities, unbind_thread
 from actors.connector_ranks import ConnectorRanks
-from actors.engine_client import ENGINE_PREFIX, EngineClient, Health
-from actors.engine_load import LoadMixin
-from actors.engine_pairs import PairsMixin
+from actors.engine_client import (CHANNEL_BACKLOG, ENGINE_PREFIX, Busy, EngineClient, Health, Leftovers, Load,
+                                  Prefilled, Registration)
+from actors.engine_load import EngineLoad
+from actors.engine_pairs import EnginePairs
 from actors.engine_prefix import EnginePrefixes
 from actors.engine_progress import ProgressWatch
-from actors.engine_procs import ProcessesMixin, _running
-from actors.engine_serving import ServingMixin, _ranked
-from actors.engine_verify import VerifyMixin
+from actors.engine_procs import EngineProcesses, LiveEngine, _running
+from actors.engine_serving import EngineServing, _ranked
+from actors.engine_verify import EngineVerify
+from cluster.core.metrics import TransferTotals
 from cluster.core.cores import format_cores, omp_bind, shared_bind
 from cluster.core.prefix import EngineView
 
@@ -150,9 +159,10 @@ def engine_env(tp: int, extra_env: dict[str, str] | None = None) -> dict[str, st
 
 
 @ray.remote(num_cpus=0)
-class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMixin):
-    """One vLLM `AsyncLLM` on CPU. Call `start()` once, then `generate()`; `shutdown()` before `ray.kill`. The
-    methods of each concern are in its mixin's module (see the module docstring)."""
+class EngineActor:
+    """One vLLM `AsyncLLM` on CPU. Call `start()` once, then `generate()`; `shutdown()` before `ray.kill`. Start-up,
+    health and the routers' views are answered here; every other method hands the call to the component of its
+    concern (see the module docstring), where it is documented."""
 
     def __init__(
         self,
@@ -179,21 +189,24 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         self.kwargs = vllm_engine_args(self.model_dir, tp, max_model_len=max_model_len, dtype=dtype,
                                        kv_transfer_config=kv_transfer_config, engine_kwargs=engine_kwargs, role=role,
                                        engine_id=self.engine_id, device=device)
-        self.engine = None
-        self.ranks = ConnectorRanks(self.engine_id, lambda: self.engine)  # its connector's workers, one per TP rank
+        self.live = LiveEngine()  # the vLLM engine: set by `start`, taken by `shutdown`
+        self.ranks = ConnectorRanks(self.engine_id, self.live)  # its connector's workers, one per TP rank
         self.startup_s: float | None = None
-        self._init_pairs()
-        self._init_verify()
-        self._init_load()
-        self._init_serving()
-        self._init_processes()
-        self.prefixes = EnginePrefixes(self._totals)  # what of a prompt this engine can resume (routing.policy cache)
+        self.procs = EngineProcesses(self.live)
+        self.meter = EngineLoad(self.engine_id, self.live)
+        self.pairs = EnginePairs(self.engine_id, role, served_model, self.model_dir, self.ranks, self.live,
+                                 draining=lambda: self.meter.draining, leftovers=self.procs.leftovers)
+        self.verifier = EngineVerify(self.engine_id, tp, self.ranks, self.live, self.pairs.totals,
+                                     self.pairs.prefill_checksums)
+        self.prefixes = EnginePrefixes(self.pairs.totals)  # what of a prompt this engine can resume (routing.policy cache)
+        self.serving = EngineServing(self.engine_id, self.live, self.ranks, self.prefixes, self.meter, self.verifier,
+                                     self.pairs.totals)
         self.progress: ProgressWatch | None = None  # whether its EngineCore steps (engines with a role, once started)
 
     async def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> float:
         """Build the engine (in a thread, so the actor keeps answering) and return the startup seconds.
         On timeout the half-built engine's processes keep running until `stop_engine_actor` kills them."""
-        if self.engine is not None:
+        if self.live() is not None:
             return self.startup_s
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -224,7 +237,7 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
 
         builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pd-engine-build")
         try:
-            self.engine = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(builder, build), timeout_s)
+            self.live.set(await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(builder, build), timeout_s))
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"vLLM engine for {self.model_dir} (TP {self.tp}) did not start within {timeout_s:.0f} s; a common "
@@ -232,14 +245,14 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
             ) from None
         finally:
             builder.shutdown(wait=False)  # its one thread is bound to the engine's cores: used for nothing else
-        self._note_shm()  # workers map theirs at start; they may die first
+        self.procs.note_shm()  # workers map theirs at start; they may die first
         if self.role is not None:
             # a fresh engine's first forward pass is several seconds slower; pay it here, not in a user's TTFT
             await self.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=2)
-            self._total_blocks = await self.free_blocks()
+            total_blocks = await self.meter.count_pool()
             groups = (await self.ranks.registration())[0]["layout"]["groups"]
-            self.prefixes.start(self.engine.vllm_config, self._total_blocks, [g["kind"] for g in groups])
-            self.progress = ProgressWatch(self.engine_id, self.free_blocks)
+            self.prefixes.start(self.live.required().vllm_config, total_blocks, [g["kind"] for g in groups])
+            self.progress = ProgressWatch(self.engine_id, self.meter.free_blocks)
             self.progress.start()
         self.startup_s = time.monotonic() - t0
         return self.startup_s
@@ -257,7 +270,7 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         if self.own_cores:
             if self.lease is None:
                 who = f"{self.role} pool" if self.role else ""
-                self.lease = lease_cores(self.own_cores, self.engine_id, self.node_id(), who=who)
+                self.lease = lease_cores(self.own_cores, self.engine_id, self.procs.node_id(), who=who)
             cores = self.lease.cores
             bind = omp_bind(cores, self.tp)
             log.info("engine %s owns cores %s (OpenMP binding %s)", self.engine_id, format_cores(cores), bind)
@@ -273,11 +286,11 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         return self.lease.cores if self.lease is not None else ()
 
     async def shutdown(self, timeout_s: float = 30.0) -> list[str]:
-        """`ProcessesMixin.shutdown`, then the engine's cores are free for the next engine."""
+        """`EngineProcesses.shutdown`, then the engine's cores are free for the next engine."""
         if self.progress is not None:
             self.progress.stop()
         try:
-            return await ProcessesMixin.shutdown(self, timeout_s)
+            return await self.procs.shutdown(timeout_s)
         finally:
             if self.lease is not None:
                 self.lease.release()
@@ -296,8 +309,7 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         logprobs: per generated token a list of (token_id, logprob) pairs, best first."""
         from vllm import SamplingParams
 
-        if self.engine is None:
-            raise RuntimeError("engine not started: call start() first")
+        engine = self.live.required()
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompt or prompt_token_ids")
         params = SamplingParams(
@@ -309,7 +321,7 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         )
         request = {"prompt": prompt} if prompt is not None else {"prompt_token_ids": list(prompt_token_ids)}
         final = None
-        async for output in self.engine.generate(request, params, request_id=uuid.uuid4().hex):
+        async for output in engine.generate(request, params, request_id=uuid.uuid4().hex):
             final = output
         completion = final.outputs[0]
         result: dict[str, Any] = {
@@ -326,11 +338,12 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
     async def health(self) -> Health:
         """Whether the engine is started, vLLM has not failed it, and its EngineCore is stepping (`ProgressWatch`:
         a hung engine is unhealthy too); `EngineClient.verdict` turns this into the verdict everyone acts on."""
-        if self.engine is None:
+        engine = self.live()
+        if engine is None:
             return Health(started=False, healthy=False)
         try:
-            await self.engine.check_health()
-            healthy = not self.engine.errored
+            await engine.check_health()
+            healthy = not engine.errored
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             healthy = False
         stalled = self.progress.stalled() if self.progress is not None else None
@@ -342,7 +355,8 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         """What of this prompt the engine can resume (its prefix record, `actors.engine_prefix`), and its load: the
         prompt tokens it is prefilling past their hits, for every front end, and the requests it decodes. Answered
         from the actor's memory, at once, whatever the engine is computing."""
-        return EngineView(self.engine_id, self.prefixes.predict(prompt_token_ids), self._queued_tokens, self._decodes)
+        return EngineView(self.engine_id, self.prefixes.predict(prompt_token_ids), self.meter.queued_tokens,
+                          self.meter.decodes)
 
     def prefix_record(self) -> dict[str, Any]:
         """The prefix record's size: block size, capacity (the block pool), blocks of tokens held and the pool blocks
@@ -356,12 +370,121 @@ class EngineActor(ServingMixin, PairsMixin, VerifyMixin, LoadMixin, ProcessesMix
         localhost by default)."""
         return int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])
 
-    def _require_engine(self) -> None:
-        if self.engine is None:
-            raise RuntimeError("engine not started: call start() first")
+    # ---- serving (`EngineServing`) ---------------------------------------------------------------------------------
+    async def prefill(self, prompt_token_ids: list[int], request_id: str, prompt_logprobs: int | None = None,
+                      first_token: Any = None, continued: int = 0) -> Prefilled:
+        return await self.serving.prefill(prompt_token_ids, request_id, prompt_logprobs, first_token, continued)
 
-    def _self_handle(self) -> Any:
-        return ray.get_runtime_context().current_actor
+    async def decode(self, prompt_token_ids: list[int], sampling: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
+                     request_id: str):
+        async with contextlib.aclosing(self.serving.decode(prompt_token_ids, sampling, kv_transfer_params,
+                                                           request_id)) as items:
+            async for item in items:
+                yield item
+
+    async def decode_channel(self, channel_id: str, address: str | None = None, backlog: int = CHANNEL_BACKLOG):
+        async with contextlib.aclosing(self.serving.decode_channel(channel_id, address, backlog)) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def submit_decode(self, channel_id: str, request_id: str, prompt_token_ids: list[int], params: Any,
+                            kv_transfer_params: dict[str, Any] | None, continued: int = 0) -> None:
+        return await self.serving.submit_decode(channel_id, request_id, prompt_token_ids, params, kv_transfer_params,
+                                                continued)
+
+    async def abort(self, request_id: str) -> None:
+        return await self.serving.abort(request_id)
+
+    async def release(self, remote_request_ids: list[str]) -> list[str]:
+        return await self.serving.release(remote_request_ids)
+
+    async def pending_sends(self, wait_s: float = 5.0) -> list[str]:
+        return await self.serving.pending_sends(wait_s)
+
+    # ---- pairs and transfer records (`EnginePairs`) ----------------------------------------------------------------
+    async def registration(self) -> Registration:
+        return await self.pairs.registration()
+
+    async def register(self, coordinator: Any, registration: Registration | None = None) -> dict[str, Any]:
+        return await self.pairs.register(coordinator, registration)
+
+    async def install_pair(self, prefill_engine_id: str, payload: str) -> list[list[int]]:
+        return await self.pairs.install_pair(prefill_engine_id, payload)
+
+    async def install_pairs(self, plans: list[tuple[str, str]]) -> None:
+        return await self.pairs.install_pairs(plans)
+
+    async def remote_agents(self, prefill_engine_id: str) -> list[dict[str, bool]]:
+        return await self.pairs.remote_agents(prefill_engine_id)
+
+    async def set_handshake_delay(self, seconds: float) -> None:
+        return await self.pairs.set_handshake_delay(seconds)
+
+    async def delayed_handshakes(self) -> list[int]:
+        return await self.pairs.delayed_handshakes()
+
+    async def stale_handshakes(self) -> list[int]:
+        return await self.pairs.stale_handshakes()
+
+    async def nixl_knows(self, agent_names: list[str]) -> list[list[bool]]:
+        return await self.pairs.nixl_knows(agent_names)
+
+    async def remove_pair(self, prefill_engine_id: str) -> None:
+        return await self.pairs.remove_pair(prefill_engine_id)
+
+    async def transfer_stats(self) -> list[dict[str, Any]]:
+        return await self.pairs.transfer_stats()
+
+    async def transfer_totals(self) -> TransferTotals:
+        return await self.pairs.transfer_totals()
+
+    # ---- transfer.verify (`EngineVerify`) --------------------------------------------------------------------------
+    async def set_verify(self, fraction: float) -> None:
+        return await self.verifier.set_verify(fraction)
+
+    async def plant_corruption(self, count: int = 1, rank: int = 0) -> None:
+        return await self.verifier.plant_corruption(count, rank)
+
+    async def corrupt_next_read(self, specs_by_rank: list[list[dict[str, Any]]], seed: int = 0) -> None:
+        return await self.verifier.corrupt_next_read(specs_by_rank, seed)
+
+    def verify_timings(self) -> list[float]:
+        return self.verifier.verify_timings()
+
+    async def checksums(self, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
+        return await self.verifier.checksums(items)
+
+    # ---- load and draining (`EngineLoad`) --------------------------------------------------------------------------
+    async def load(self) -> Load:
+        return await self.meter.load()
+
+    def set_draining(self) -> None:
+        return self.meter.set_draining()
+
+    async def busy(self) -> Busy:
+        return await self.meter.busy()
+
+    def first_served(self) -> float | None:
+        return self.meter.first_served()
+
+    async def free_blocks(self) -> int:
+        return await self.meter.free_blocks()
+
+    def num_unfinished(self) -> int:
+        return self.meter.num_unfinished()
+
+    # ---- processes (`EngineProcesses`) -----------------------------------------------------------------------------
+    def leftovers(self) -> Leftovers:
+        return self.procs.leftovers()
+
+    def node_id(self) -> str:
+        return self.procs.node_id()
+
+    def pids(self) -> list[int]:
+        return self.procs.pids()
+
+    def rss_bytes(self) -> int:
+        return self.procs.rss_bytes()
 
 
 def in_process_model(tp: int, device: str = "cpu", engine_kwargs: dict[str, Any] | None = None) -> bool:

@@ -1,13 +1,17 @@
-"""An engine actor's load and draining (`LoadMixin`): what the pools' autoscaling reads (`Load`), what keeps a
-draining engine from leaving (`Busy`), and the refusal of new requests while it drains (`EngineDraining`)."""
+"""An engine actor's load and draining (`EngineLoad`, the `EngineActor`'s component that owns them): what the pools'
+autoscaling reads (`Load`), what keeps a draining engine from leaving (`Busy`), the refusal of new requests while it
+drains (`EngineDraining`), the routers' load counters (`EngineActor.resumable`) and when the engine first served.
+The serving component reports requests starting and ending here (`prefill_started`, `decode_done`, `served`, ...);
+nobody else writes these counters."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import time
 
 from actors.engine_client import Busy, Load
+from actors.engine_procs import LiveEngine
 
 log = logging.getLogger("pd.engine")
 
@@ -17,16 +21,15 @@ class EngineDraining(RuntimeError):
     another pair)."""
 
 
-class LoadMixin:
-    """`EngineActor`'s load and draining (needs `engine`, `engine_id` and `_require_engine`, set by the actor)."""
+class EngineLoad:
+    """`EngineActor`'s load and draining. `live`: the engine (`LiveEngine`)."""
 
-    engine: Any
-    engine_id: str
-
-    def _init_load(self) -> None:
+    def __init__(self, engine_id: str, live: LiveEngine) -> None:
+        self.engine_id, self._live = engine_id, live
         self.draining = False
         self._prefill_tokens = 0  # prompt tokens of prefills admitted and not finished
         self._prefills = 0
+        self._queued_tokens = 0  # prompt tokens of prefills here past their predicted hits (every front end's)
         self._decodes = 0
         self._total_blocks = 0  # the block pool's size (all free right after start)
         self._usage = 0.0  # fraction of blocks in use, refreshed in the background (EngineCore may be mid-step)
@@ -34,18 +37,56 @@ class LoadMixin:
         self._usage_error: str | None = None  # why the last cache-usage refresh failed (None: it worked)
         # wall time this engine first served a request: a prefill engine's first prefill done, a decode engine's first
         # tokens out (engine warm-up excluded)
-        self.first_served_at: float | None = None
+        self._first_served_at: float | None = None
 
-    # ---- load and draining (the pool's autoscaling signal; scale-down) -------------------------------------------
-    def _refuse_if_draining(self) -> None:
+    # ---- what the serving component reports -------------------------------------------------------------------------
+    def refuse_if_draining(self) -> None:
         if self.draining:
             raise EngineDraining(f"engine {self.engine_id} is draining (leaving its pool) and takes no new requests")
 
+    def prefill_started(self, tokens: int, uncached: int) -> None:
+        """A prefill of `tokens` prompt tokens, `uncached` of them past its predicted prefix hit, is admitted."""
+        self._prefills += 1
+        self._prefill_tokens += tokens
+        self._queued_tokens += uncached
+
+    def prefill_done(self, tokens: int, uncached: int) -> None:
+        """The prefill `prefill_started` counted has ended (done or failed)."""
+        self._prefills -= 1
+        self._prefill_tokens -= tokens
+        self._queued_tokens -= uncached
+
+    def decode_started(self) -> None:
+        self._decodes += 1
+
+    def decode_done(self) -> None:
+        self._decodes -= 1
+
+    def served(self) -> None:
+        """A request was served (a prefill done, a decode's tokens out): the first one's time is kept."""
+        self._first_served_at = self._first_served_at or time.time()
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the prefills running here past their predicted prefix hits."""
+        return self._queued_tokens
+
+    @property
+    def decodes(self) -> int:
+        """Requests being decoded here."""
+        return self._decodes
+
+    async def count_pool(self) -> int:
+        """The started engine's block pool: its size (all blocks free right after start), kept for the cache usage."""
+        self._total_blocks = await self.free_blocks()
+        return self._total_blocks
+
+    # ---- load and draining (the pool's autoscaling signal; scale-down) -------------------------------------------
     async def load(self) -> Load:
         """This engine's load, answered at once (the autoscaler must not read a busy engine as an idle one): prompt
         tokens queued or in prefill, sequences being decoded, and the fraction of its KV/state blocks in use (as of
         the last background refresh: the scheduler answers between steps)."""
-        if self.engine is not None and self._total_blocks and (self._usage_task is None or self._usage_task.done()):
+        if self._live() is not None and self._total_blocks and (self._usage_task is None or self._usage_task.done()):
             self._usage_task = asyncio.ensure_future(self._refresh_usage())
         # an unreadable cache usage is unknown (None), not an empty cache
         return Load(float(self._prefill_tokens), float(self._decodes), self._usage if self._usage_error is None else None)
@@ -71,18 +112,19 @@ class LoadMixin:
     async def busy(self) -> Busy:
         """What keeps a draining engine from leaving (see `Busy`)."""
         held: tuple[str, ...] = ()
-        if self.engine is not None:
-            held = tuple(await self.engine.engine_core.call_utility_async("pd_held_requests"))
+        engine = self._live()
+        if engine is not None:
+            held = tuple(await engine.engine_core.call_utility_async("pd_held_requests"))
         return Busy(prefills=self._prefills, decodes=self._decodes, unfinished=self.num_unfinished(), held=held)
 
     def first_served(self) -> float | None:
-        return self.first_served_at
+        return self._first_served_at
 
     async def free_blocks(self) -> int:
         """Free blocks in the engine's KV/state block pool (its scheduler's count; needs the project's connector)."""
-        self._require_engine()
-        return int(await self.engine.engine_core.call_utility_async("pd_free_blocks"))
+        return int(await self._live.required().engine_core.call_utility_async("pd_free_blocks"))
 
     def num_unfinished(self) -> int:
         """Requests this engine's front end still tracks (running, waiting, or waiting for remote state)."""
-        return self.engine.get_num_unfinished_requests() if self.engine is not None else 0
+        engine = self._live()
+        return engine.get_num_unfinished_requests() if engine is not None else 0

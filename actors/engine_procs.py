@@ -1,7 +1,9 @@
 """An engine actor's processes and what they leave on the node: vLLM's EngineCore and workers under the actor, their
-shared-memory files (/dev/shm) and the engine's private TMPDIR. `ProcessesMixin` is the `EngineActor`'s part for
-them (its pids and memory, a graceful shutdown that removes everything, and the `leftovers` a killed engine would
-leave); `clean_leftovers` removes those on a dead engine's node once its processes are gone."""
+shared-memory files (/dev/shm) and the engine's private TMPDIR. `EngineProcesses` is the `EngineActor`'s component
+for them (its pids and memory, a graceful shutdown that removes everything, and the `leftovers` a killed engine would
+leave); it owns the shared-memory files seen and the TMPDIR. `LiveEngine` holds the actor's vLLM engine itself, the
+one accessor every component reads it through. `clean_leftovers` removes a dead engine's files on its node once its
+processes are gone."""
 
 from __future__ import annotations
 
@@ -114,17 +116,43 @@ def _shm_paths(procs: list[psutil.Process]) -> set[str]:
     return {path for ino, path in engine_shm_files().items() if ino in held}
 
 
-class ProcessesMixin:
-    """`EngineActor`'s processes and files (needs `engine`, set by the actor)."""
+class LiveEngine:
+    """The actor's vLLM `AsyncLLM`: None until `EngineActor.start` builds it (`set`), and again once
+    `EngineProcesses.shutdown` takes it (`take`). Every component reads it through this one accessor: call it for the
+    engine or None, `required()` for the engine or a RuntimeError."""
 
-    engine: Any
+    def __init__(self) -> None:
+        self._engine: Any = None
 
-    def _init_processes(self) -> None:
+    def __call__(self) -> Any:
+        return self._engine
+
+    def required(self) -> Any:
+        if self._engine is None:
+            raise RuntimeError("engine not started: call start() first")
+        return self._engine
+
+    def set(self, engine: Any) -> None:
+        self._engine = engine
+
+    def take(self) -> Any:
+        """The engine, which is gone from here from now on (None if it never started or has been taken)."""
+        engine, self._engine = self._engine, None
+        return engine
+
+
+class EngineProcesses:
+    """`EngineActor`'s processes and files: the actor's own process, the shared-memory files its engine's processes
+    have mapped, its private TMPDIR (made here, at construction: vLLM's processes inherit it); `live` is the engine,
+    taken at shutdown."""
+
+    def __init__(self, live: LiveEngine) -> None:
+        self._live = live
         self._me = psutil.Process()
         self._shm: set[str] = set()  # shared-memory files the engine's processes have mapped (they may die first)
         self.tmpdir = private_tmpdir()
 
-    def _note_shm(self) -> None:
+    def note_shm(self) -> None:
         """Remember the shared-memory files the engine's processes have mapped now (workers map theirs at start)."""
         self._shm |= _shm_paths(_process_tree(self._me))
 
@@ -162,8 +190,8 @@ class ProcessesMixin:
         Returns the removed paths. The caller should `ray.kill` the actor afterwards."""
         children = _process_tree(self._me)[1:]
         shm = self._shm | _shm_paths(_process_tree(self._me))
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
+        engine = self._live.take()
+        if engine is not None:
             await asyncio.to_thread(engine.shutdown, timeout_s)
         # multiprocessing's resource tracker lives as long as the actor; it goes with ray.kill
         engine_procs = [p for p in children if not _is_resource_tracker(p)]

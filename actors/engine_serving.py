@@ -1,7 +1,10 @@
-"""An engine actor's serving part (`ServingMixin`): prefills with remote decode (`prefill`), decodes that read the
-prompt's state from a prefill engine, and the decode channels that batch a front end's outputs per engine step.
-`decode` (a plain per-request stream) serves tests' and benchmarks' references; the router uses `decode_channel` +
-`submit_decode`."""
+"""An engine actor's serving component (`EngineServing`): prefills with remote decode (`prefill`), decodes that read
+the prompt's state from a prefill engine, and the decode channels that batch a front end's outputs per engine step.
+It owns the open decode channels; it reports each request to the load component (`EngineLoad`: counters, first
+served), asks transfer.verify (`EngineVerify`) which reads are checked and how their checks ended, and records
+prompts in the prefix record. Every decode request runs one path (`_start`, `_pump`): the router's, with
+`decode_channel` + `submit_decode`, and `decode`, a plain per-request stream of dicts over a private channel for
+tests' and benchmarks' references."""
 
 from __future__ import annotations
 
@@ -11,9 +14,13 @@ import logging
 import time
 from typing import Any
 
+from actors.connector_ranks import ConnectorRanks
 from actors.decode_channel import DecodeError, Outbox, send_outputs
 from actors.engine_client import CHANNEL_BACKLOG, Prefilled
+from actors.engine_load import EngineLoad
 from actors.engine_prefix import EnginePrefixes
+from actors.engine_procs import LiveEngine
+from actors.engine_verify import EngineVerify
 from cluster.core.metrics import TransferTotals
 from cluster.core.verify import TRANSFER_VERIFY_FAILED
 from cluster.core.wire import FIRST_TOKEN
@@ -26,18 +33,27 @@ def _ranked(step: dict[int, Any]) -> list[tuple[int, float]]:
     return sorted(((tok, lp.logprob) for tok, lp in step.items()), key=lambda x: -x[1])
 
 
-class ServingMixin:
-    """`EngineActor`'s requests (needs `engine`, `engine_id`, `_totals`, the load counters, transfer.verify's
-    bookkeeping and `release`/`ranks`, set by the actor and its other parts)."""
+def _as_item(output: Any) -> dict[str, Any]:
+    """A decode output as `decode` streams it (logprobs ranked, per position)."""
+    c = output.outputs[0]
+    item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
+    if c.logprobs:
+        item["logprobs"] = [_ranked(step) for step in c.logprobs]
+    if output.prompt_logprobs:
+        item["prompt_logprobs"] = [_ranked(step) if step else None for step in output.prompt_logprobs]
+    return item
 
-    engine: Any
-    engine_id: str
-    _totals: TransferTotals
-    prefixes: EnginePrefixes
 
-    def _init_serving(self) -> None:
+class EngineServing:
+    """`EngineActor`'s requests. `live`: the engine; `ranks`: its connector's workers; `prefixes`: its prefix record;
+    `meter`: its load component; `verifier`: its transfer.verify; `totals`: its running totals (the pairs
+    component's), counted into."""
+
+    def __init__(self, engine_id: str, live: LiveEngine, ranks: ConnectorRanks, prefixes: EnginePrefixes,
+                 meter: EngineLoad, verifier: EngineVerify, totals: TransferTotals) -> None:
+        self.engine_id, self._live, self.ranks, self.prefixes = engine_id, live, ranks, prefixes
+        self._meter, self._verifier, self._totals = meter, verifier, totals
         self._channels: dict[str, Outbox] = {}  # open decode channels (one per front end)
-        self._queued_tokens = 0  # prompt tokens of prefills here past their predicted hits (every front end's)
 
     async def prefill(self, prompt_token_ids: list[int], request_id: str, prompt_logprobs: int | None = None,
                       first_token: Any = None, continued: int = 0) -> Prefilled:
@@ -58,8 +74,8 @@ class ServingMixin:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self._require_engine()
-        self._refuse_if_draining()
+        self._live.required()
+        self._meter.refuse_if_draining()
         transfer = {"do_remote_decode": True, "do_remote_prefill": False}
         if first_token is None:
             params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": transfer})
@@ -70,9 +86,7 @@ class ServingMixin:
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": {**transfer, FIRST_TOKEN: True}}
         predicted = self.prefixes.predict(prompt_token_ids).checkpoint_tokens
         uncached = len(prompt_token_ids) - predicted
-        self._prefills += 1
-        self._prefill_tokens += len(prompt_token_ids)
-        self._queued_tokens += uncached
+        self._meter.prefill_started(len(prompt_token_ids), uncached)
         try:
             runs = [self._last_output(prompt_token_ids, params, request_id)]
             if prompt_logprobs is not None:
@@ -80,9 +94,7 @@ class ServingMixin:
                 runs.append(self._last_output(prompt_token_ids, scoring, f"{request_id}-prompt-logprobs"))
             final, *scored = await asyncio.gather(*runs, return_exceptions=True)
         finally:
-            self._prefills -= 1
-            self._prefill_tokens -= len(prompt_token_ids)
-            self._queued_tokens -= uncached
+            self._meter.prefill_done(len(prompt_token_ids), uncached)
         if isinstance(final, BaseException):
             raise final
         if final is None or not final.kv_transfer_params:
@@ -90,7 +102,7 @@ class ServingMixin:
         if scored and isinstance(scored[0], BaseException):  # nobody will read the prefilled state: free it now
             await self.release([final.kv_transfer_params["remote_request_id"]])
             raise scored[0]
-        self.first_served_at = self.first_served_at or time.time()
+        self._meter.served()
         self._totals.cached_prompt_tokens += final.num_cached_tokens or 0
         # vLLM's prefill side for remote decode computes all but the last prompt token, unless it samples the first
         self.prefixes.prefilled(prompt_token_ids, predicted, final.num_cached_tokens or 0,
@@ -106,43 +118,35 @@ class ServingMixin:
 
     async def _last_output(self, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
         final = None
-        async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
+        async for output in self._live.required().generate({"prompt_token_ids": list(prompt_token_ids)}, params,
+                                                           request_id=request_id):
             final = output
         return final
 
     async def decode(self, prompt_token_ids: list[int], sampling: dict[str, Any], kv_transfer_params: dict[str, Any] | None, request_id: str):
-        """Stream a request's new tokens: {"token_ids", "text", "finish_reason"} per step. With
-        `kv_transfer_params` the prompt's state is pulled from the prefill engine they name; without, the engine runs
-        the whole request itself (colocated)."""
+        """Stream a request's new tokens: {"token_ids", "text", "finish_reason"[, "logprobs", "prompt_logprobs"]} per
+        step; `sampling`: vLLM SamplingParams' keywords. With `kv_transfer_params` the prompt's state is read from the
+        prefill engine they name; without, the engine runs the whole request (colocated). It runs as `submit_decode`'s
+        requests do, on a channel of its own; an error output (`DecodeError`) is raised, a RuntimeError."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self._require_engine()
-        self._refuse_if_draining()
+        self._live.required()
+        self._meter.refuse_if_draining()
         extra = dict(sampling.pop("extra_args", None) or {})
-        if kv_transfer_params is not None:
-            extra["kv_transfer_params"] = kv_transfer_params
-            self._expect_verify_of(kv_transfer_params)
         params = SamplingParams(**sampling, extra_args=extra or None, output_kind=RequestOutputKind.DELTA)
-        self._decodes += 1
-        verified = (kv_transfer_params or {}).get("remote_request_id")
-        colocated = kv_transfer_params is None
+        outbox = Outbox()
+        task = self._start(outbox, request_id, prompt_token_ids, params, kv_transfer_params)
+        task.add_done_callback(lambda _: outbox.ready.set())  # its end wakes `take` even with no output waiting
         try:
-            async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id):
-                if colocated:  # its prefix-cache hit (a read's is counted with the read)
-                    self._totals.cached_prompt_tokens += output.num_cached_tokens or 0
-                    colocated = False
-                c = output.outputs[0]
-                item: dict[str, Any] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
-                if c.logprobs:
-                    item["logprobs"] = [_ranked(step) for step in c.logprobs]
-                if output.prompt_logprobs:
-                    item["prompt_logprobs"] = [_ranked(step) if step else None for step in output.prompt_logprobs]
-                self.first_served_at = self.first_served_at or time.time()
-                yield item
-        finally:
-            self._decodes -= 1
-            self._verify_expected.discard(verified)
+            while not (task.done() and not outbox.items):
+                for _, output in await outbox.take():
+                    if isinstance(output, DecodeError):
+                        raise RuntimeError(f"{output.kind}: {output.message}")
+                    yield _as_item(output)
+        finally:  # the stream closed or cancelled: so is the request (aborted in the engine), and counted so
+            task.cancel()
+            await asyncio.wait([task])
 
     async def decode_channel(self, channel_id: str, address: str | None = None, backlog: int = CHANNEL_BACKLOG):
         """A front end's one stream of decode outputs from this engine (call with num_returns="streaming"): each
@@ -156,7 +160,7 @@ class ServingMixin:
         that stops reading: on the socket, SOCKET_BACKLOG messages unread; on the Ray stream (called with Ray's
         `_generator_backpressure_num_objects` = `backlog`, as `EngineClient.decode_channel` does), `backlog` messages
         unread hold the stream back, and `backlog` more steps' outputs waiting end it (`Outbox`)."""
-        self._require_engine()
+        self._live.required()
         channel = self._channels[channel_id] = Outbox(limit=None if address is not None else backlog)
         try:
             async with contextlib.aclosing(send_outputs(channel, channel_id, address)) as outputs:
@@ -174,11 +178,17 @@ class ServingMixin:
         `continued`: the prompt's last tokens are output tokens the client already has (a first token sampled by the
         prefill engine, or the tokens before a failover); the text of the first new tokens is then detokenized as
         the continuation of those (`_continuation_detokenizer`)."""
-        self._require_engine()
-        self._refuse_if_draining()
+        self._live.required()
+        self._meter.refuse_if_draining()
         channel = self._channels.get(channel_id)
         if channel is None:
             raise RuntimeError(f"decode channel {channel_id} is not open on engine {self.engine_id}")
+        self._start(channel, request_id, prompt_token_ids, params, kv_transfer_params, continued)
+
+    def _start(self, outbox: Outbox, request_id: str, prompt_token_ids: list[int], params: Any,
+               kv_transfer_params: dict[str, Any] | None, continued: int = 0) -> asyncio.Task:
+        """Start one decode request whose outputs go to `outbox` (a front end's channel, or `decode`'s own); counted
+        as a decode until its task ends."""
         remote_id = None
         if kv_transfer_params is not None:
             params = params.clone()
@@ -187,16 +197,17 @@ class ServingMixin:
             # never a request that skips reading it (vLLM's EngineCore dies on the missing blocks)
             params.prompt_logprobs = None
             params.skip_reading_prefix_cache = False
-            remote_id = self._expect_verify_of(kv_transfer_params)
-        self._decodes += 1
+            remote_id = self._verifier.expect(kv_transfer_params)
+        self._meter.decode_started()
         task = asyncio.get_running_loop().create_task(
-            self._pump(channel, request_id, prompt_token_ids, params, remote_id, continued, kv_transfer_params is None))
-        channel.tasks.add(task)
-        task.add_done_callback(channel.tasks.discard)
+            self._pump(outbox, request_id, prompt_token_ids, params, remote_id, continued, kv_transfer_params is None))
+        outbox.tasks.add(task)
+        task.add_done_callback(outbox.tasks.discard)
         task.add_done_callback(self._pump_done)
+        return task
 
     def _pump_done(self, _: asyncio.Task) -> None:  # also when cancelled before it ran
-        self._decodes -= 1
+        self._meter.decode_done()
 
     async def _pump(self, channel: "Outbox", request_id: str, prompt_token_ids: list[int], params: Any,
                     verified: str | None = None, continued: int = 0, colocated: bool = False) -> None:
@@ -211,9 +222,9 @@ class ServingMixin:
 
         cumulative = params.output_kind != RequestOutputKind.DELTA  # each output carries all the tokens so far
         try:
-            async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params,
-                                                     request_id=request_id):
-                self.first_served_at = self.first_served_at or time.time()
+            async for output in self._live.required().generate({"prompt_token_ids": list(prompt_token_ids)}, params,
+                                                               request_id=request_id):
+                self._meter.served()
                 if colocated:
                     self._totals.cached_prompt_tokens += output.num_cached_tokens or 0
                     self.prefixes.prefilled(prompt_token_ids, predicted, output.num_cached_tokens or 0,
@@ -230,8 +241,10 @@ class ServingMixin:
                 if detokenizer is not None and output.outputs:  # deltas (a continuation always streams them)
                     c = output.outputs[0]
                     c.text = "".join(detokenizer.decode_next(token) for token in c.token_ids)
-                if verified in self._verify_failed and output.outputs and output.outputs[0].finish_reason == "error":
-                    channel.put((request_id, DecodeError(TRANSFER_VERIFY_FAILED, self._verify_failed.pop(verified))))
+                failure = self._verifier.failure_of(verified) if output.outputs and \
+                    output.outputs[0].finish_reason == "error" else None
+                if failure is not None:
+                    channel.put((request_id, DecodeError(TRANSFER_VERIFY_FAILED, failure)))
                     return
                 channel.put((request_id, output))
         except asyncio.CancelledError:  # the engine is stopping or the channel closed: never a silent end
@@ -240,7 +253,7 @@ class ServingMixin:
             channel.put((request_id, DecodeError(type(e).__name__, str(e)[:500])))
         finally:
             if verified is not None:
-                self._verify_expected.discard(verified)
+                self._verifier.forget(verified)
 
     def _continuation_detokenizer(self, prompt_token_ids: list[int], continued: int, params: Any) -> Any:
         """A detokenizer for a request whose prompt ends with `continued` output tokens the client already has: vLLM's
@@ -255,7 +268,7 @@ class ServingMixin:
 
         from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, uses_fast_detokenizer
 
-        tokenizer = self.engine.tokenizer
+        tokenizer = self._live.required().tokenizer
         if tokenizer is None or not uses_fast_detokenizer(tokenizer) or params.detokenize is False:
             return None
         request = SimpleNamespace(request_id="continued", sampling_params=params,
@@ -270,19 +283,20 @@ class ServingMixin:
         return detokenizer
 
     async def abort(self, request_id: str) -> None:
-        if self.engine is not None:
-            await self.engine.abort(request_id)
+        engine = self._live()
+        if engine is not None:
+            await engine.abort(request_id)
 
     async def release(self, remote_request_ids: list[str]) -> list[str]:
         """Prefill side: free the blocks held for requests no decode engine will read (their decode side failed)."""
-        self._require_engine()
+        self._live.required()
         freed = await self.ranks.release(list(remote_request_ids))
         return sorted({r for rank in freed for r in rank})
 
     async def pending_sends(self, wait_s: float = 5.0) -> list[str]:
         """Prefill side: requests whose blocks are still held for a decode engine, after waiting up to `wait_s` for
         the list to drain."""
-        self._require_engine()
+        self._live.required()
         deadline = time.monotonic() + wait_s
         while True:
             held = sorted({r for rank in await self.ranks.pending_sends() for r in rank})

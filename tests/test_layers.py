@@ -130,8 +130,7 @@ CLIENT = ROOT / "actors" / "engine_client.py"
 
 
 def remote_methods(classes: set[str] | None = None, exclude: set[str] = frozenset()) -> set[str]:
-    """Public method names of the classes named `classes` (None: every class) in actors/ and cluster/, the mixins
-    an engine actor is made of included."""
+    """Public method names of the classes named `classes` (None: every class) in actors/ and cluster/."""
     names: set[str] = set()
     for path in SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -141,9 +140,11 @@ def remote_methods(classes: set[str] | None = None, exclude: set[str] = frozense
     return names
 
 
-ENGINE_CLASSES = {"EngineActor", "ServingMixin", "PairsMixin", "VerifyMixin", "LoadMixin", "ProcessesMixin"}
+ENGINE_CLASSES = {"EngineActor"}  # the one class whose methods Ray exposes
+# the components an engine actor is made of: the actor's methods hand their calls to theirs (same names)
+ENGINE_PARTS = {"EngineServing", "EnginePairs", "EngineVerify", "EngineLoad", "EngineProcesses"}
 # engine methods no other class has (a coordinator's `register` or a transfer side's `checksums` stay out of the check)
-ENGINE_ONLY = remote_methods(ENGINE_CLASSES) - remote_methods(None, exclude=ENGINE_CLASSES | {"EngineClient"})
+ENGINE_ONLY = remote_methods(ENGINE_CLASSES) - remote_methods(None, exclude=ENGINE_CLASSES | ENGINE_PARTS | {"EngineClient"})
 
 
 def actor_calls(source: str) -> list[tuple[int, str]]:
@@ -186,8 +187,7 @@ COORDINATOR_CLIENT = ROOT / "actors" / "coordinator_client.py"
 
 
 def actor_classes() -> set[str]:
-    """Classes whose methods are called with `.remote`: Ray actors and Serve deployments (by decorator), and the
-    mixins an engine actor is made of."""
+    """Classes whose methods are called with `.remote`: Ray actors and Serve deployments (by decorator)."""
     names = set(ENGINE_CLASSES)
     for path in SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):

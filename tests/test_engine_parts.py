@@ -1,0 +1,165 @@
+"""An engine actor's components without an engine (a stand-in for vLLM's `AsyncLLM`; outputs are vLLM's own objects):
+`decode`, the plain per-request stream, runs on the same pump as the router's `submit_decode` - its dicts, its
+errors, its request accounting, its verification, and its end when the stream is closed early. The real engine:
+tests/test_http.py and tests/test_faults.py (colocated references and reads through `decode`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import pytest
+
+from actors.engine_load import EngineDraining, EngineLoad
+from actors.engine_pairs import EnginePairs
+from actors.engine_prefix import EnginePrefixes
+from actors.engine_procs import LiveEngine
+from actors.engine_serving import EngineServing
+from actors.engine_verify import EngineVerify
+from cluster.core.verify import TRANSFER_VERIFY_FAILED
+
+
+def output(rid: str, token_ids: list[int], text: str, finish_reason: str | None = None, *, logprobs: bool = False,
+           prompt_logprobs: list | None = None, cached: int = 0) -> Any:
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    steps = [{t: Logprob(-0.5), t + 1: Logprob(-0.1)} for t in token_ids] if logprobs else None
+    c = CompletionOutput(index=0, text=text, token_ids=list(token_ids), cumulative_logprob=None, logprobs=steps,
+                         finish_reason=finish_reason)
+    return RequestOutput(rid, None, [1, 2, 3], prompt_logprobs, [c], finished=finish_reason is not None,
+                         num_cached_tokens=cached)
+
+
+class FakeVllm:
+    """`AsyncLLM.generate`: `outputs` for every request, a step apart; `hold` keeps the request open after them."""
+
+    tokenizer = None
+
+    def __init__(self, outputs: list[Any], fail: Exception | None = None, hold: bool = False):
+        self.outputs, self.fail, self.hold = outputs, fail, hold
+        self.params: list[Any] = []
+        self.cancelled: list[str] = []
+
+    async def generate(self, request: dict, params: Any, request_id: str):
+        self.params.append(params)
+        try:
+            for out in self.outputs:
+                await asyncio.sleep(0.001)
+                yield out
+            if self.fail is not None:
+                raise self.fail
+            if self.hold:
+                await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+
+
+class Parts:
+    """The components as `EngineActor.__init__` wires them, on a stand-in engine."""
+
+    def __init__(self, engine: FakeVllm, verify: float = 0.0):
+        self.live = LiveEngine()
+        self.live.set(engine)
+        self.meter = EngineLoad("decode-0", self.live)
+        self.pairs = EnginePairs("decode-0", "decode", "m", "/nowhere", None, self.live,
+                                 draining=lambda: self.meter.draining, leftovers=lambda: None)
+        self.verifier = EngineVerify("decode-0", 1, None, self.live, self.pairs.totals, self.pairs.prefill_checksums)
+        self.verifier.fraction = verify
+        self.serving = EngineServing("decode-0", self.live, None, EnginePrefixes(self.pairs.totals), self.meter,
+                                     self.verifier, self.pairs.totals)
+
+
+async def collect(parts: Parts, sampling: dict, kv: dict | None = None) -> list[dict]:
+    return [item async for item in parts.serving.decode([1, 2, 3], dict(sampling), kv, "r1")]
+
+
+def test_decode_streams_the_pumps_outputs_as_dicts():
+    outs = [output("r1", [5], "a", logprobs=True, prompt_logprobs=[None, {2: _lp(-1.0)}, {3: _lp(-2.0)}], cached=2),
+            output("r1", [6, 7], "bc", "length", logprobs=True)]
+    parts = Parts(FakeVllm(outs))
+    items = asyncio.run(collect(parts, {"max_tokens": 3, "logprobs": 1, "prompt_logprobs": 1,
+                                        "extra_args": {"x": 1}}))
+    assert [i["token_ids"] for i in items] == [[5], [6, 7]] and [i["text"] for i in items] == ["a", "bc"]
+    assert [i["finish_reason"] for i in items] == [None, "length"]
+    assert items[0]["logprobs"] == [[(6, -0.1), (5, -0.5)]]  # ranked, best first
+    assert items[0]["prompt_logprobs"] == [None, [(2, -1.0)], [(3, -2.0)]] and "prompt_logprobs" not in items[1]
+    params = parts.serving._live().params[0]
+    assert params.extra_args == {"x": 1} and params.prompt_logprobs == 1  # colocated: the prompt's logprobs stay
+    assert parts.meter.decodes == 0 and parts.meter.first_served() is not None
+    assert parts.pairs.totals.cached_prompt_tokens == 2  # a colocated request's own prefix-cache hit
+
+
+def _lp(value: float) -> Any:
+    from vllm.logprobs import Logprob
+
+    return Logprob(value)
+
+
+def test_decode_of_a_read_asks_for_the_read_and_forgets_its_verification():
+    parts = Parts(FakeVllm([output("r1", [5], "a", "length")]), verify=1.0)
+
+    async def run():
+        items = await collect(parts, {"max_tokens": 1, "prompt_logprobs": 1}, {"remote_request_id": "p-1"})
+        parts.verifier._task.cancel()  # its loop would poll the workers (there are none here)
+        return items
+
+    assert [i["token_ids"] for i in asyncio.run(run())] == [[5]]
+    params = parts.serving._live().params[0]
+    assert params.extra_args == {"kv_transfer_params": {"remote_request_id": "p-1"}}
+    assert params.prompt_logprobs is None and params.skip_reading_prefix_cache is False
+    assert parts.verifier._expected == set() and parts.meter.decodes == 0
+
+
+def test_a_failed_check_ends_decode_with_its_error():
+    parts = Parts(FakeVllm([output("r1", [], "", "error")]), verify=1.0)
+    parts.verifier._failed["p-1"] = "pair p -> d: region 0 differs"
+
+    async def run():
+        try:
+            await collect(parts, {"max_tokens": 1}, {"remote_request_id": "p-1"})
+        finally:
+            parts.verifier._task.cancel()
+
+    with pytest.raises(RuntimeError, match=f"{TRANSFER_VERIFY_FAILED}: pair p -> d: region 0 differs"):
+        asyncio.run(run())
+    assert parts.verifier.failure_of("p-1") is None and parts.meter.decodes == 0
+
+
+def test_an_engine_error_ends_decode_with_its_kind_after_the_outputs_before_it():
+    parts = Parts(FakeVllm([output("r1", [5], "a")], fail=ValueError("bad request")))
+    got: list[dict] = []
+
+    async def run():
+        async for item in parts.serving.decode([1, 2, 3], {"max_tokens": 4}, None, "r1"):
+            got.append(item)
+
+    with pytest.raises(RuntimeError, match="ValueError: bad request"):
+        asyncio.run(run())
+    assert [i["token_ids"] for i in got] == [[5]] and parts.meter.decodes == 0
+
+
+def test_closing_decode_early_aborts_its_request():
+    engine = FakeVllm([output("r1", [5], "a")], hold=True)
+    parts = Parts(engine)
+
+    async def run():
+        async with contextlib.aclosing(parts.serving.decode([1, 2, 3], {"max_tokens": 4}, None, "r1")) as items:
+            async for item in items:
+                assert parts.meter.decodes == 1
+                return item
+
+    assert asyncio.run(run())["token_ids"] == [5]
+    assert engine.cancelled == ["r1"] and parts.meter.decodes == 0
+
+
+def test_a_draining_engine_refuses_decode_and_prefill():
+    parts = Parts(FakeVllm([]))
+    parts.meter.set_draining()
+    with pytest.raises(EngineDraining):
+        asyncio.run(collect(parts, {"max_tokens": 1}))
+    with pytest.raises(EngineDraining):
+        asyncio.run(parts.serving.prefill([1, 2, 3], "r2"))
+    assert parts.meter.decodes == 0 and parts.pairs.totals.cached_prompt_tokens == 0
