@@ -12,7 +12,7 @@ only that long after a message and then naps 200 us between checks for the rest 
 the socket as before. The reader still checks the same flag between naps, so the message protocol is untouched
 (shortening vLLM's busy period instead, so that readers sleep on the socket sooner, lost wake-ups and stalled steps
 for 5 s here). `actors.engine.launch_engine_actor` sets it for prefill engines (at TP 1 on CPU there is no such queue:
-the EngineCore runs the model itself, `actors.engine.in_process_model`).
+the EngineCore runs the model itself, `actors.engine_settings.in_process_model`).
 
 PD_CPU_KERNEL_BLOCK (tests only): vLLM's CPU attention accepts any multiple of 32 as its kernel block, so vLLM gives a
 CPU engine one kernel block per logical block (`physical_blocks_per_logical` 1). With this variable set to a multiple
@@ -28,7 +28,7 @@ a second doing nothing, and on 2 cores every wake-up takes a core from a decode 
 Gloo devices are made to be shared (each group is its own context and pairs on it). PyTorch's own
 `ProcessGroupGloo(store, rank, size, timeout)` makes a device per group (one per GLOO_SOCKET_IFNAME interface when
 that is set); the plugin's subclass makes those once per process and passes them to every group through the options
-overload, with PyTorch's defaults otherwise (2 threads per device, the timeout given). `actors.engine.launch_env`
+overload, with PyTorch's defaults otherwise (2 threads per device, the timeout given). `actors.engine_settings.launch_env`
 sets it for every engine.
 """
 

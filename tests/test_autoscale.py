@@ -27,7 +27,7 @@ import psutil
 import pytest
 import ray
 
-from actors.engine import free_port
+from actors.engine_settings import free_port
 from cluster.core.config import DeployConfig
 from cluster.cli.launch import Cluster, serve, stop_cluster
 from tests.pd_helpers import oracle, until

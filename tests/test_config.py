@@ -214,7 +214,7 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
         assert args["distributed_executor_backend"] == "mp"  # a process per rank on GPUs, TP 1 too
         assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "GOMP_CPU_AFFINITY"} & spec["env"].keys()
     assert "block_size" not in args  # GPU attention pages are token-major: block sizes may differ between pools
-    # the CPU default: vLLM's own SD conv layout (actors.engine.launch_env), the cache lives in DRAM, no GPUs
+    # the CPU default: vLLM's own SD conv layout (actors.engine_settings.launch_env), the cache lives in DRAM, no GPUs
     (model / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cpu = engine_launch(DeployConfig(), "decode", str(model), "decode-0")
     assert cpu["env"]["VLLM_SSM_CONV_STATE_LAYOUT"] == "SD" and cpu["num_gpus"] == 0
@@ -282,7 +282,7 @@ def test_prefix_caching_must_be_a_boolean(tmp_path):
 def test_in_process_engines_bind_their_openmp_threads():
     """TP 1 CPU engines run the model in their EngineCore with the binding vLLM's mp executor gives a worker; a pool's
     own VLLM_CPU_OMP_THREADS_BIND or executor choice wins."""
-    from actors.engine import in_process_env, in_process_model, launch_env
+    from actors.engine_settings import in_process_env, in_process_model, launch_env
 
     assert in_process_model(1) and not in_process_model(2) and not in_process_model(1, "cuda")
     assert not in_process_model(1, engine_kwargs={"distributed_executor_backend": "mp"})
@@ -299,7 +299,7 @@ def test_in_process_engines_bind_their_openmp_threads():
 def test_cpu_pd_engines_keep_conv_state_in_vllms_default_layout():
     """CPU prefill and decode engines run the SD conv-state layout vLLM's plain server runs (vLLM-CPU would pick DS
     for any NIXL connector); a pool's env wins; engines without a role and CUDA engines are left to vLLM / the pool."""
-    from actors.engine import launch_env
+    from actors.engine_settings import launch_env
 
     for role in ("prefill", "decode"):
         assert launch_env(2, None, role)["VLLM_SSM_CONV_STATE_LAYOUT"] == "SD"
@@ -311,7 +311,7 @@ def test_cpu_pd_engines_keep_conv_state_in_vllms_default_layout():
 def test_every_engine_shares_one_gloo_device_per_process():
     """launch_env turns on the vLLM plugin's one gloo device per process for every engine (a pool's env, or the
     launching process's PD_GLOO_SHARED_DEVICE, may turn it off)."""
-    from actors.engine import launch_env
+    from actors.engine_settings import launch_env
 
     for role in ("prefill", "decode", None):
         assert launch_env(2, None, role)["PD_GLOO_SHARED_DEVICE"] == "1"

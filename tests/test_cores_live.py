@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from actors.cores import CoresUnavailable, lease_cores, thread_affinities, wait_for_cores
-from actors.engine import free_port
+from actors.engine_settings import free_port
 from cluster.cli.bench.faults import kill_engine
 from cluster.core.config import DeployConfig, DeployError
 from cluster.cli.launch import serve, start_cluster, stop_cluster

@@ -42,7 +42,7 @@ def reference(pd):
 
 
 def test_every_pair_was_negotiated(pd):
-    # every engine keeps its conv state in vLLM's default SD layout (actors.engine.CPU_CONV_STATE_LAYOUT), so the
+    # every engine keeps its conv state in vLLM's default SD layout (actors.engine_settings.CPU_CONV_STATE_LAYOUT), so the
     # reads and the byte-class test below move SD bytes (tests/test_disagg_mamba2.py runs DS)
     layouts = {key: {r["layout"]["conv_layout"] for r in ray.get(e.registration()).ranks} for key, e in pd.engines.items()}
     assert layouts == {key: {"SD"} for key in pd.engines}
@@ -56,8 +56,8 @@ def test_compute_threads_keep_their_cores(pd):
     the model - to the machine's last core; every TP rank then computed on that one core (2-3x the time per token).
     The connector puts it back: each rank's main thread stays on the first core of its VLLM_CPU_OMP_THREADS_BIND
     list, so the ranks of a TP 2 engine compute on different cores. A TP 1 engine computes in its EngineCore, bound
-    as vLLM binds a worker (`actors.engine.in_process_env`)."""
-    from actors.engine import in_process_model
+    as vLLM binds a worker (`actors.engine_settings.in_process_env`)."""
+    from actors.engine_settings import in_process_model
     from cluster.core.cores import shared_bind
 
     for (role, tp), engine in pd.engines.items():
@@ -80,7 +80,7 @@ def test_each_engine_process_runs_one_gloo_loop_thread(pd):
     own TCP loop thread, waking every 10 ms; the vLLM plugin (PD_GLOO_SHARED_DEVICE, set by launch_env) gives them
     one device per process, so one loop thread, in the EngineCore of a TP 1 engine and in every worker of a TP 2 one.
     The other tests of this module run on those shared devices (TP 2 all-reduces among them)."""
-    from actors.engine import in_process_model
+    from actors.engine_settings import in_process_model
 
     for (role, tp), engine in pd.engines.items():
         loops: dict[str, int] = {}

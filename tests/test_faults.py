@@ -18,7 +18,8 @@ import psutil
 import pytest
 import ray
 
-from actors.engine import free_port, launch_engine_actor, stop_engine_actor
+from actors.engine import launch_engine_actor, stop_engine_actor
+from actors.engine_settings import free_port
 from actors.engine_client import ENGINE_PREFIX
 from cluster.cli.bench.faults import blocks_held, free_blocks
 from cluster.cli.bench.faults import kill_engine as bench_kill_engine

@@ -17,7 +17,7 @@ import pytest
 import ray
 import yaml
 
-from actors.engine import free_port
+from actors.engine_settings import free_port
 from cluster.cli.bench.faults import blocks_held, free_blocks
 from cluster.core.config import DeployConfig
 from cluster.cli.launch import serve, stop_cluster, watch_frontends

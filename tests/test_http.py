@@ -16,7 +16,7 @@ import openai
 import pytest
 import ray
 
-from actors.engine import free_port
+from actors.engine_settings import free_port
 from cluster.core.config import DeployConfig
 from cluster.cli.launch import serve, stop_cluster
 from tests.pd_helpers import metric, wait_for

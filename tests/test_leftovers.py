@@ -16,7 +16,7 @@ import psutil
 import pytest
 import ray
 
-from actors.engine import free_port
+from actors.engine_settings import free_port
 from actors.engine_procs import SHM_PREFIXES
 from cluster.cli.bench.faults import kill_engine
 from cluster.core.config import DeployConfig, load_deploy

@@ -36,7 +36,7 @@ import pytest
 import yaml
 
 from actors.cores import thread_affinities
-from actors.engine import free_port
+from actors.engine_settings import free_port
 from actors.engine_procs import SHM_PREFIXES
 from cluster.core.cores import parse_cores
 from tests.pd_helpers import end_processes_under, metric, oracle, processes_under, wait_for

@@ -289,7 +289,7 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
     """Engine options of pool `role`: prefix caching (`prefix_caching`). CPU: the KV/state cache size in DRAM, one
     block size for both pools (`cpu_block_size`), and on decode engines the transfer.verify fraction. CUDA: one GPU
     per TP rank, vLLM's share of its memory, and the DS conv-state layout (channels, state_len) that vLLM 0.32's
-    stock NIXL transfers are built for. The planner reads SD as well (CPU engines run it: actors.engine.launch_env),
+    stock NIXL transfers are built for. The planner reads SD as well (CPU engines run it: actors.engine_settings.launch_env),
     but no GPU run has measured SD against DS here, so CUDA engines stay on the layout vLLM's own P/D uses; a pool's
     `env` may set VLLM_SSM_CONV_STATE_LAYOUT=SD."""
     from cluster.core.verify import VERIFY_ENV
@@ -400,7 +400,7 @@ def engine_placement(pool: PoolConfig) -> dict[str, Any]:
 def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) -> dict[str, Any]:
     """What an engine of pool `role` is started with under `cfg` - its environment, GPUs and vLLM engine arguments -
     as the pools and `_start_actors` start it (for checks and `plan`-style inspection; starts nothing)."""
-    from actors.engine import launch_env, vllm_engine_args
+    from actors.engine_settings import launch_env, vllm_engine_args
 
     spec = engine_spec(cfg, role, model_dir)
     opts = spec.device_options

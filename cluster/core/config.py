@@ -57,7 +57,7 @@ class ScalingConfig(_Strict):
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RESOURCE_NAME = re.compile(r"[A-Za-z0-9_.:/-]+")
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-PER_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)  # each engine gets its own (actors.engine.engine_env)
+PER_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)  # each engine gets its own (actors.engine_settings.engine_env)
 
 
 class PlacementConfig(_Strict):

@@ -503,7 +503,7 @@ def deploy_model_dir(cfg: Any) -> str:
 
 
 def main(args: Any) -> int:
-    from actors.engine import free_port
+    from actors.engine_settings import free_port
     from cluster.core.config import load_deploy
     from cluster.cli.launch import prefix_caching
 

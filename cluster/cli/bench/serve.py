@@ -106,7 +106,7 @@ def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[
 def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int,
                   prefix_caching: bool = False, local_prefill_queue: int | None = None,
                   local_prefill_when_idle: bool = False, share_cores: bool = False) -> list[dict]:
-    from actors.engine import free_port
+    from actors.engine_settings import free_port
     from cluster.cli.bench.targets import local_cluster
     from cluster.core.config import DeployConfig
 
