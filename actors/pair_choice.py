@@ -125,6 +125,12 @@ class PairChoice:
             log.warning("engine %s is avoided for %g s where another can serve: %s", engine_id, SUSPECT_S, why)
         self.suspects[engine_id] = now + SUSPECT_S
 
+    def left(self, listed: set[str]) -> None:
+        """The coordinator lists only `listed` now: a suspect that left is forgotten - pools reuse engine ids, and one
+        listed again under that id is a new engine."""
+        for engine_id in [e for e in self.suspects if e not in listed]:
+            del self.suspects[engine_id]
+
     def wary(self, now: float | None = None) -> set[str]:
         """The engines new requests avoid now (`suspect`)."""
         now = time.monotonic() if now is None else now

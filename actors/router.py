@@ -166,6 +166,7 @@ class Router:
             del self._engines[engine_id]
         for engine_id in [e for e, c in self._channels.items() if c.closed and e not in listed]:
             del self._channels[engine_id]  # its stream ended when it left: nothing waits on it
+        self.choice.left(listed)
         return routes
 
     async def _ask(self, method: str, *args: Any) -> Any:

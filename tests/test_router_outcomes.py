@@ -247,6 +247,18 @@ def test_an_engine_found_stuck_is_avoided_by_the_next_requests(policy):
     assert router.choice.wary(now=time.monotonic() + 3600) == set()  # and trusted again after SUSPECT_S
 
 
+def test_a_suspect_that_left_the_cluster_is_forgotten():
+    """Pools reuse engine ids: once the coordinator no longer lists a suspect, the mark goes, so that a replacement
+    registered under its id is trusted; one still listed keeps it."""
+    coordinator = FakeCoordinator({}, [("p", "d1"), ("p", "d2")])
+    router = Router(coordinator)
+    router.choice.suspect("d1", "stuck")
+    router.choice.suspect("d2", "stuck")
+    coordinator.pairs = [("p", "d2")]  # d1 taken out
+    asyncio.run(router.routes())
+    assert router.choice.wary() == {"d2"}
+
+
 def test_with_its_only_decode_engine_stuck_requests_are_served_whole_by_a_prefill_engine():
     """The decode pool's only engine is found stuck: the request that found it is served whole by the prefill
     engine (degraded mode), and so are the next ones, at once, instead of each being sent to the stuck engine and
