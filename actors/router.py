@@ -323,7 +323,9 @@ class Router:
         """Every engine the coordinator lists (paired, or a ready decode engine); None while it does not answer. One
         question per CAPACITY_POLL_S, shared by every stream waiting for capacity (a burst of failovers that find no
         engine is one poll, not one per stream)."""
-        if self._listing is None or (self._listing.done() and time.monotonic() - self._listing_at >= CAPACITY_POLL_S):
+        listing = self._listing
+        if (listing is None or listing.get_loop() is not asyncio.get_running_loop() or listing.cancelled()
+                or (listing.done() and time.monotonic() - self._listing_at >= CAPACITY_POLL_S)):
             self._listing_at = time.monotonic()
             self._listing = asyncio.ensure_future(self._list_engines())
         return await asyncio.shield(self._listing)

@@ -247,6 +247,21 @@ def test_an_engine_found_stuck_is_avoided_by_the_next_requests(policy):
     assert router.choice.wary(now=time.monotonic() + 3600) == set()  # and trusted again after SUSPECT_S
 
 
+def test_the_shared_poll_is_not_carried_into_another_event_loop():
+    """A poll left pending (or cancelled) when its event loop ended is not waited on from the next loop."""
+    coordinator = ChangingCoordinator({"d": None}, ["d"])
+    router = Router(coordinator)
+
+    async def leave_one_pending():
+        router._listing = asyncio.get_running_loop().create_future()
+        router._listing_at = time.monotonic()
+
+    asyncio.run(leave_one_pending())
+    assert asyncio.run(asyncio.wait_for(router._listed(), 5)) == {"d"}
+    router._listing.cancel()
+    assert asyncio.run(asyncio.wait_for(router._listed(), 5)) == {"d"}
+
+
 def test_a_suspect_that_left_the_cluster_is_forgotten():
     """Pools reuse engine ids: once the coordinator no longer lists a suspect, the mark goes, so that a replacement
     registered under its id is trusted; one still listed keeps it."""
