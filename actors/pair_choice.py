@@ -87,7 +87,6 @@ class PairChoice:
         it. NoCapacity when no approved decode engine is left."""
         local_by_cache, reason = False, "load"
         uncached = len(prompt_token_ids)
-        prefer_not = set(prefer_not) | self.wary()
         if pair is None and self.policy == "cache":
             p_id, d_id, uncached, local_by_cache, reason = await self._by_cost(prompt_token_ids, prefills, prefer_not,
                                                                               routes, avoid)
@@ -107,17 +106,14 @@ class PairChoice:
         return Choice(p_id, d_id, uncached, local, reason)
 
     def pick(self, candidates: list[str], role: str) -> str:
-        """The engine of `candidates` with the fewest of this router's requests (ties in turn), a suspect only when
-        nothing else is left."""
+        """The engine of `candidates` with the fewest of this router's requests (ties in turn)."""
         if not candidates:
             raise NoCapacity("no engine available")
-        wary = self.wary()
-        return min(self.rotated([c for c in candidates if c not in wary] or candidates, role),
-                   key=lambda e: self.inflight[e])
+        return min(self.rotated(candidates, role), key=lambda e: self.inflight[e])
 
     def suspect(self, engine_id: str, why: str, now: float | None = None) -> None:
         """A request found `engine_id` stuck (alive, not serving): new requests avoid it for SUSPECT_S where another
-        engine can take them - rather than each waiting out the stall time on it again - while the coordinator
+        engine can take them (the router leaves `wary()` out of its candidates, `Router._once`) - rather than each waiting out the stall time on it again - while the coordinator
         decides (it takes out an engine that fails, dies or stays silent; one that recovers is used again after)."""
         now = time.monotonic() if now is None else now
         if self.suspects.get(engine_id, 0.0) <= now:
@@ -175,8 +171,7 @@ class PairChoice:
         if len(candidates) == 1 and not local_rule:
             reason = "only"
         p_view = next(v for v in p_views if v.engine_id == p_id)
-        approved = [d for d in routes[p_id] if d not in avoid]
-        approved = self.rotated([d for d in approved if d not in prefer_not] or approved, "decode")
+        approved = self.rotated([d for d in routes[p_id] if d not in avoid], "decode")
         if not approved:
             raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
         d_known = {d: views.get(d, EngineView(d)) for d in approved}  # unasked: their load as this router sees it

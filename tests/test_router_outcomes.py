@@ -243,7 +243,6 @@ def test_an_engine_found_stuck_is_avoided_by_the_next_requests(policy):
     assert all([t for o in out for t in o["token_ids"]] == [5] for out in outs)
     assert (len(d1.submitted), len(d2.submitted), router.retried) == (1, 4, 1)
     assert router.choice.suspected == 1 and router.choice.wary() == {"d1"} and coordinator.reported == ["d1"]
-    assert router.choice.pick(["d1"], "decode") == "d1"  # the only one left: used
     assert router.choice.wary(now=time.monotonic() + 3600) == set()  # and trusted again after SUSPECT_S
 
 
@@ -289,6 +288,9 @@ def test_with_its_only_decode_engine_stuck_requests_are_served_whole_by_a_prefil
     assert all([t for o in out for t in o["token_ids"]] == [7] for out in outs)
     assert (len(d1.submitted), len(p.submitted), router.retried) == (1, 3, 1)
     assert router.colocated["prefill"] == 3 and router.choice.wary() == {"d1"}
+    router.choice.suspect("p", "stuck too")  # nothing but suspects left: they are tried (d1 first, as paired)
+    assert [t for o in asyncio.run(collect(router)) for t in o["token_ids"]] == [7]
+    assert (len(d1.submitted), len(p.submitted)) == (2, 4)
 
 
 def test_failover_is_bounded():
