@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from cluster.cli import tiny_model as models
 
+REPO = Path(__file__).resolve().parents[1]
 BUILT: dict[tuple[str, int], object] = {}
 
 
@@ -60,6 +64,31 @@ def test_head_counts_shard_at_tp_1_2_4(kind, tmp_path_factory):
         assert config["linear_num_value_heads"] == config["linear_num_key_heads"] == 4
     if kind == "gdn-asym":
         assert config["linear_num_value_heads"] == 2 * config["linear_num_key_heads"]
+
+
+def _plan(model_dir, decode_tp: int) -> dict:
+    cmd = [sys.executable, "-m", "cluster", "plan", "--model", str(model_dir), "--prefill-tp", "1", "--decode-tp",
+           str(decode_tp), "--tokens", "700", "--json"]
+    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout)
+
+
+def test_the_benchmark_kind_builds_from_the_command_line_with_gdns_block_size(tmp_path_factory):
+    """`python -m cluster build-model --kind gdn-wide`: ~10x gdn's weights, heads that shard at TP 1, 2 and 4, and
+    the block size (so the prefix checkpoint granularity) of `gdn` at every decode TP."""
+    out = tmp_path_factory.mktemp("wide") / "gdn-wide"
+    subprocess.run([sys.executable, "-m", "cluster", "build-model", "--kind", "gdn-wide", "--out", str(out)],
+                   check=True, cwd=REPO, capture_output=True)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (512, 8)
+    assert config["layer_types"].count("full_attention") == 2
+    for n in (config["num_attention_heads"], config["num_key_value_heads"], config["linear_num_key_heads"],
+              config["linear_num_value_heads"], config["num_experts"]):
+        for tp in (1, 2, 4):
+            assert n % tp == 0 or tp % n == 0, (n, tp)
+    small = built("gdn", 0, tmp_path_factory)[0]
+    assert (out / "model.safetensors").stat().st_size > 8 * (small / "model.safetensors").stat().st_size
+    for tp in (1, 2):
+        assert _plan(out, tp)["decode"]["block_size"] == _plan(small, tp)["decode"]["block_size"]
 
 
 def test_tokenizer_round_trips_text(tmp_path_factory):

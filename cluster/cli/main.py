@@ -85,7 +85,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_model(rest: list[str]) -> int:
+    from cluster.cli.tiny_model import main as build_main
+
+    return build_main(rest)
+
+
+def _bench(rest: list[str]) -> int:
+    from cluster.cli.bench import main as bench_main
+
+    return bench_main(rest)
+
+
+# Commands whose own parser takes the rest of the line. argparse's REMAINDER does not take a rest that starts with an
+# option (`build-model --kind gdn` was refused as an unrecognized argument), so these are handed their arguments as
+# they are; the subparsers below only list them in `--help`.
+PASS_THROUGH = {"build-model": _build_model, "bench": _bench}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PASS_THROUGH:
+        return int(PASS_THROUGH[argv[0]](argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="python -m cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -107,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("build-model", help="build a tiny random-weight hybrid model with a locally trained tokenizer")
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=lambda a: __import__("cluster.cli.tiny_model", fromlist=["main"]).main(a.rest))
+    b.set_defaults(func=lambda a: _build_model(a.rest))
 
     bench = sub.add_parser("bench", help="benchmarks (e2e: colocated vs disaggregated serving)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=lambda a: __import__("cluster.cli.bench", fromlist=["main"]).main(a.rest))
+    bench.set_defaults(func=lambda a: _bench(a.rest))
 
     r = sub.add_parser("run", help="start the cluster described by a deployment file")
     r.add_argument("deploy", nargs="?", default="deploy.yaml")

@@ -12,6 +12,12 @@ Kinds (every sharded head count divides TP 1, 2 and 4):
             Mamba2 n_groups = 1 (the B/C group is replicated on every TP rank).
   attn      attention-only baseline (`Qwen3ForCausalLM`).
 
+A kind for benchmarks only (`BENCH_KINDS`), without the circuit:
+  gdn-wide  Qwen3-Next, 8 layers (GDN x 3 + attention, twice) of width 512: ~10x the compute per token of `gdn`
+            (39M parameters), so that prefill is most of a request's time, as it is on a real model, while the state
+            per layer and so the block size stay `gdn`'s. Its weights are transformers' seeded init: the outputs are
+            noise, fine for timing, useless for checking outputs.
+
 Random weights give nearly flat logits full of near-ties, so two correct runs that differ only numerically (TP 1
 vs TP 2 in bf16) pick different greedy tokens. So the weights are not noise: `sharpen` sets them to a small lookup
 circuit (described below) whose greedy output is an exact function of the context, with top-1/top-2 logit margins
@@ -34,7 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-KINDS = ("gdn", "gdn-asym", "mamba2", "attn")
+KINDS = ("gdn", "gdn-asym", "mamba2", "attn")  # the lookup-circuit kinds (`sharpen`)
+BENCH_KINDS = ("gdn-wide",)  # random weights, sized for benchmarks where prefill has to dominate
 
 VOCAB_SIZE = 1024
 HIDDEN_SIZE = 256
@@ -62,6 +69,26 @@ def model_config(kind: str):
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
     )
+    if kind == "gdn-wide":
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(
+            **{**common, "hidden_size": 512, "num_hidden_layers": 8},
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            linear_num_key_heads=4,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=4,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            intermediate_size=1024,
+        )
     if kind in ("gdn", "gdn-asym"):
         from transformers import Qwen3NextConfig
 
@@ -118,7 +145,7 @@ def model_config(kind: str):
             # slow rotary: the lookup codes sit in dims that rotate < 5e-3 rad over 4096 positions
             rope_parameters={"rope_type": "default", "rope_theta": 1e12},
         )
-    raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS + BENCH_KINDS)}")
 
 
 def _model_class(kind: str):
@@ -127,6 +154,7 @@ def _model_class(kind: str):
     name = {
         "gdn": "Qwen3NextForCausalLM",
         "gdn-asym": "Qwen3NextForCausalLM",
+        "gdn-wide": "Qwen3NextForCausalLM",
         "mamba2": "GraniteMoeHybridForCausalLM",
         "attn": "Qwen3ForCausalLM",
     }[kind]
@@ -535,16 +563,17 @@ def token_buckets(token_ids: list[int], seed: int = 0) -> list[int]:
 
 
 def make_model(kind: str, seed: int):
-    """The bf16 model for `kind`: transformers' init (seeded), then the circuit of `sharpen`."""
+    """The bf16 model for `kind`: transformers' init (seeded), then the circuit of `sharpen` (not for BENCH_KINDS)."""
     import torch
 
     config = model_config(kind)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _model_class(kind)(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        sharpen(model, kind, generator)
+    if kind not in BENCH_KINDS:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            sharpen(model, kind, generator)
     return model.to(torch.bfloat16).eval()
 
 
@@ -671,7 +700,8 @@ def ensure_model(kind: str, root: Path = Path("models"), seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """`build-model --kind gdn --out DIR --seed N` (`--kind all` builds every kind under DIR/<kind>)."""
     parser = argparse.ArgumentParser(prog="build-model", description="Build a tiny hybrid model locally.")
-    parser.add_argument("--kind", choices=(*KINDS, "all"), default="gdn")
+    parser.add_argument("--kind", choices=(*KINDS, *BENCH_KINDS, "all"), default="gdn",
+                        help="all: every lookup-circuit kind (not the benchmark kinds)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: models/<kind>)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -21,7 +21,7 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Either a tiny locally built model (`builtin`) or a model directory (`path`)."""
 
-    builtin: Literal["gdn", "gdn-asym", "mamba2", "attn"] | None = "gdn"
+    builtin: Literal["gdn", "gdn-asym", "mamba2", "attn", "gdn-wide"] | None = "gdn"
     path: str | None = None
     name: str = Field("tiny-hybrid", description="the model name clients send in requests")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"

@@ -52,6 +52,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from cluster.cli.tiny_model import BENCH_KINDS, KINDS
+
 REPO = Path(__file__).resolve().parents[3]
 KNOWN_TARGETS = ("cache", "load", "vllm")
 CLUSTER_TARGETS = {"cache": "cache", "load": "load"}  # target -> routing.policy
@@ -815,6 +817,8 @@ def main(args: Any) -> int:
     targets = parse_targets(args.targets, KNOWN_TARGETS)
     deploy = Path(args.deploy)
     base = load_deploy(deploy)
+    if args.model:  # a builtin kind instead of the deploy file's model (gdn-wide: prefill dominates, as on real models)
+        base = base.model_copy(update={"model": base.model.model_copy(update={"builtin": args.model, "path": None})})
     if base.device != "cpu":
         raise SystemExit(f"bench prefix-routing shapes its cluster for a CPU host (shared cores, KV cache in GiB of "
                          f"DRAM); {deploy} has device {base.device!r}")
@@ -946,6 +950,9 @@ def _workloads(text: str) -> list[str]:
 def add_args(p: Any) -> None:
     p.add_argument("--deploy", default=str(REPO / "deploy.yaml"), help="the deploy file the bench's cluster is built "
                    "from (default: the repository's deploy.yaml); its model is every target's model")
+    p.add_argument("--model", choices=(*KINDS, *BENCH_KINDS), default=None, help="a builtin model instead of the "
+                   "deploy file's: gdn-wide (~10x gdn's compute per token, the same block size) makes prefill most of a "
+                   "request's time, as on a real model, where the tiny gdn spends it elsewhere")
     p.add_argument("--targets", default=DEFAULT_TARGETS, help=f"comma separated, from {', '.join(KNOWN_TARGETS)} "
                    f"(default {DEFAULT_TARGETS})")
     p.add_argument("--workloads", type=_workloads, default=list(KNOWN_WORKLOADS),
