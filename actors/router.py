@@ -170,17 +170,26 @@ class Router:
         return routes
 
     async def _ask(self, method: str, *args: Any) -> Any:
-        """A coordinator call with a deadline; failures become CoordinatorUnavailable (a 503, not a 500)."""
+        """A coordinator call with a deadline - COORDINATOR_TIMEOUT_S, or ROUTES_FALLBACK_AFTER_S while requests are
+        routed on its last routes (it did not answer the last routes question: no call waits long on it); failures
+        become CoordinatorUnavailable (a 503, not a 500)."""
+        deadline = ROUTES_FALLBACK_AFTER_S if self.coordinator_unreachable else COORDINATOR_TIMEOUT_S
         try:
-            return await asyncio.wait_for(getattr(self.coordinator, method)(*args), COORDINATOR_TIMEOUT_S)
+            return await asyncio.wait_for(getattr(self.coordinator, method)(*args), deadline)
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - RayActorError, ActorUnavailableError, ...
             raise CoordinatorUnavailable(f"{method}: {error_text(e)}") from None
 
     async def engine(self, engine_id: str, phase: str = "decode") -> EngineClient:
         """The client of a registered engine (asked of the coordinator once, then kept until the engine fails a
-        request); EngineFailure in `phase` once it has left."""
+        request); EngineFailure in `phase` once it has left, or when the coordinator cannot say (then the routes are
+        its last ones, and this engine's client was dropped when it failed a request: another pair takes the
+        request, rather than a 503 for an engine the routes may list only because they are old)."""
         if engine_id not in self._engines:
-            engine = await self._ask("client", engine_id)
+            try:
+                engine = await self._ask("client", engine_id)
+            except CoordinatorUnavailable as e:
+                raise EngineFailure(phase, engine_id, f"its client is not known here and the coordinator does not "
+                                              f"answer ({e})") from None
             if engine is None:  # it left (scale-down, death) after the coordinator listed it: try another pair
                 raise EngineFailure(phase, engine_id, "the engine left the cluster")
             self._engines[engine_id] = engine
@@ -266,7 +275,9 @@ class Router:
                 continue
             except EngineFailure as e:
                 verify = e.phase == "verify"
-                if e.stuck:  # alive but not serving: until the coordinator decides, new requests go elsewhere
+                if e.stuck or (self.coordinator_unreachable and not verify):
+                    # alive but not serving, or failed while the coordinator cannot take it out of the routes (they
+                    # are its last ones): until the coordinator decides, new requests go elsewhere
                     self.choice.suspect(e.engine_id, str(e))
                 if not verify:
                     self._forget(e.engine_id)  # ask the coordinator again: it may have left or been replaced

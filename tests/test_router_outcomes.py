@@ -326,6 +326,35 @@ def test_an_engine_gone_after_the_coordinator_listed_it_is_retried():
     assert [o["token_ids"] for o in asyncio.run(collect(router))] == [[4]] and router.retried == 1
 
 
+def test_while_the_coordinator_is_away_an_engine_that_failed_is_not_looked_up_again():
+    """Decode engine d1 fails a request and its client is dropped; then the coordinator stops answering (restarting).
+    Its last routes still list d1. The next request is not held for the coordinator's client question (before: a
+    10 s wait, then a 503 never retried): it goes to d2, and the ones after it avoid d1 at once."""
+    d1, d2 = FakeEngine([ABORT]), FakeEngine([tokens(5, finish="length")])
+    coordinator = FakeCoordinator({"p": FakeEngine([]), "d1": d1, "d2": d2}, [("p", "d1"), ("p", "d2")])
+    router = Router(coordinator, policy="load")
+    router.choice.pick = lambda candidates, role: sorted(candidates)[0]  # d1 whenever it is a candidate
+
+    async def run():
+        first = await collect(router)  # d1 fails it; retried on d2
+        await asyncio.sleep(0)
+        away = SimpleNamespace(remote=lambda *a: asyncio.get_running_loop().create_future())  # never answered
+        coordinator.routes = coordinator.client = coordinator.ready = coordinator.engine_failed = away
+        later = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            later.append((await collect(router), time.monotonic() - t0))
+        return first, later
+
+    first, later = asyncio.run(run())
+    assert [t for o in first for t in o["token_ids"]] == [5] and "d1" not in router._engines
+    for outs, seconds in later:
+        assert [t for o in outs for t in o["token_ids"]] == [5]
+        assert seconds < 6, f"a request took {seconds:.1f} s while the coordinator was away"
+    assert (len(d1.submitted), len(d2.submitted)) == (1, 4) and router.coordinator_unreachable
+    assert router.choice.wary() == {"d1"} and router.stale_routed >= 3
+
+
 def test_requests_failing_together_on_one_engine_make_one_report():
     """Six requests whose decode engine ends each with an error while the coordinator is still checking it: one
     report of that engine reaches the coordinator (a burst used to take one coordinator slot per request)."""
