@@ -7,11 +7,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """A local Ray instance sized like the test machines (2 CPUs, no dashboard); shut down at session end."""
+    """A local Ray instance as `make run` starts one (`cluster.cli.local_ray.start_ray`: 2 CPUs, no dashboard, on
+    loopback); shut down at session end."""
     import ray
 
+    from cluster.cli.local_ray import start_ray
+
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_ray()
     yield ray
     ray.shutdown()
 

@@ -366,6 +366,37 @@ def test_api_key_required(served):
         bad.models.list()
 
 
+def test_the_engines_listen_on_loopback_only(served):
+    """On a local Ray instance (`cluster.cli.local_ray.start_ray`, as `make run` starts one) every port the vLLM
+    processes open - vLLM's own, torch.distributed's gloo, UCX's for NIXL - is on loopback, and so is the front end's
+    (`http.host` 127.0.0.1). Before, each engine opened ~5 on the machine's address. Ray's own servers are not
+    checked: they bind every interface whatever the caller says (docs/operations.md, Security)."""
+    import ipaddress
+
+    import psutil
+    import ray
+
+    from tests.pd_helpers import processes_under
+
+    session = ray._private.worker._global_node.get_session_dir_path()
+    found: dict[str, list[str]] = {}
+    for proc in processes_under(session):
+        try:
+            name = proc.name()
+            sockets = [c.laddr for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+        for ip, port in sockets:
+            if name.startswith("VLLM::") or port == served.cfg.http.port:
+                found.setdefault(f"{name} ({proc.pid})", []).append(f"{ip}:{port}")
+    vllm = [s for who, socks in found.items() if who.startswith("VLLM::") for s in socks]
+    assert len(vllm) >= 4, f"too few vLLM listeners to say anything: {found}"
+    assert any(s.endswith(f":{served.cfg.http.port}") for socks in found.values() for s in socks), found
+    beyond = {who: [s for s in socks if not ipaddress.ip_address(s.rsplit(":", 1)[0].strip("[]")).is_loopback]
+              for who, socks in found.items()}
+    assert not any(beyond.values()), f"listening beyond loopback: {beyond}"
+
+
 def test_no_capacity_is_503_with_retry_after(served):
     """With the prefill pool empty (its engine draining) the decode engine serves requests whole: 200, /health
     "degraded". With neither pool ready: 503 + Retry-After, for streams too (a stream that fails before its first

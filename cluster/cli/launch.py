@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from cluster.cli.local_ray import start_ray
 from cluster.core.config import DeployConfig, DeployError, PoolConfig, load_deploy
 
 if TYPE_CHECKING:
@@ -679,8 +680,7 @@ def main(argv: list[str]) -> int:
 
     t0 = time.monotonic()
     address = os.environ.get("RAY_ADDRESS")
-    local = {} if address else {"num_cpus": 2, "include_dashboard": False}
-    ray.init(address=address, namespace=cfg.coordinator.namespace, log_to_driver=False, **local)
+    start_ray(cfg.coordinator.namespace, address)
     # after ray.init, which installs its own SIGTERM handler (a bare sys.exit)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

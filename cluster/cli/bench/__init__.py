@@ -403,10 +403,11 @@ def _load_main(args: argparse.Namespace, out_dir: Path) -> int:
 
         from cluster.core.config import load_deploy
         from cluster.cli.launch import serve
+        from cluster.cli.local_ray import start_ray
 
         cfg = load_deploy(args.deploy)
         key = key or cfg.http.resolved_api_key()
-        ray.init(namespace=cfg.coordinator.namespace, num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_ray(cfg.coordinator.namespace)
         cluster = serve(cfg)
         url, model = cluster.url, args.model or cfg.model.name
     try:
@@ -503,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from cluster.cli.local_ray import start_ray
+
+    start_ray()
     try:
         if args.which == "transfer":
             print("bench transfer: NIXL READs between two Ray actors (DRAM, UCX), planner layouts of real models")

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster.cli.local_ray import start_ray
+
 SCENARIOS = {  # name: (what is killed, prefill engines, decode engines)
     "decode-of-two": ("decode-0", 1, 2),
     "only-decode": ("decode-0", 1, 1),
@@ -232,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
         return 2
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=base.coordinator.namespace)
+    start_ray(base.coordinator.namespace)
     rows = []
     try:
         for name in names:

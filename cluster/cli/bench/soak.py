@@ -49,6 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from cluster.cli.local_ray import start_ray
+
 FAULTS = ("kill-prefill", "kill-decode", "stop-engine", "kill-coordinator", "kill-frontend", "burst", "n-too-large")
 STOP_S = 20.0  # how long stop-engine keeps an engine SIGSTOPped
 BURST_REQUESTS = 500
@@ -879,9 +881,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = soak_config(load_deploy(args.deploy), args.frontends, args.port)
     started = not ray.is_initialized()
     if started:
-        address = os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, namespace=cfg.coordinator.namespace, log_to_driver=False,
-                 **({} if address else {"num_cpus": 2, "include_dashboard": False}))
+        start_ray(cfg.coordinator.namespace)
     try:
         report = run_soak(cfg, args)
     except KeyboardInterrupt:

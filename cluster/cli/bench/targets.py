@@ -34,8 +34,9 @@ def local_cluster(cfg: Any, label: str = "cluster", say: Say = _say) -> Iterator
     import ray
 
     from cluster.cli.launch import serve, stop_cluster
+    from cluster.cli.local_ray import start_ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=cfg.coordinator.namespace)
+    start_ray(cfg.coordinator.namespace)
     cluster = None
     try:
         t0 = time.monotonic()
