@@ -1,9 +1,10 @@
 """Starting Ray: join a cluster (`RAY_ADDRESS`, as `ray job submit` sets it), or start a local one on loopback.
 
-A local instance is one machine, so nothing it runs has to be reachable from elsewhere. Before it starts, this
-process's environment gets what keeps the listeners that vLLM, UCX and torch let a caller place on loopback there
-(`LOOPBACK_ENV`); Ray's processes, and so every actor and vLLM process, inherit it. A variable already set wins (a
-pool's `env` wins over both). Ray's node address is 127.0.0.1 as well, so its workers and front ends (`http.host:
+A local instance is one machine, so nothing it runs has to be reachable from elsewhere. While it starts, this
+process's environment holds what keeps the listeners that vLLM, UCX and torch let a caller place on loopback there
+(`LOOPBACK_ENV`); Ray's daemons, and so every actor and vLLM process they start, inherit it, and this process gets
+its own environment back (what it starts later - another Ray cluster, a server - is not bound by it). A variable
+already set wins (a pool's `env` wins over both). Ray's node address is 127.0.0.1 as well, so its workers and front ends (`http.host:
 node`) use loopback; Ray's own servers (GCS, raylet, agents, each worker's gRPC port) bind every interface whatever
 the node address, and are guarded by Ray's token authentication (docs/operations.md, Security).
 """
@@ -31,8 +32,12 @@ def start_ray(namespace: str | None = None, address: str | None = None, **kwargs
     if address:
         ray.init(address=address, **options, **kwargs)
         return False
-    for name, value in LOOPBACK_ENV.items():
-        os.environ.setdefault(name, value)
-    options.update(num_cpus=LOCAL_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1")
-    ray.init(**{**options, **kwargs})
+    added = [name for name in LOOPBACK_ENV if name not in os.environ]
+    os.environ.update({name: LOOPBACK_ENV[name] for name in added})
+    try:
+        options.update(num_cpus=LOCAL_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1")
+        ray.init(**{**options, **kwargs})
+    finally:
+        for name in added:
+            del os.environ[name]
     return True
