@@ -29,7 +29,7 @@ def test_a_local_instance_starts_on_loopback_and_gives_the_environment_back(reco
     before = dict(os.environ)
     assert local_ray.start_ray("ns") is True
     (kwargs, env), = recorded
-    assert kwargs["_node_ip_address"] == "127.0.0.1" and kwargs["namespace"] == "ns"
+    assert (kwargs["num_cpus"], kwargs["include_dashboard"], kwargs["namespace"]) == (local_ray.LOCAL_CPUS, False, "ns")
     assert (env["GLOO_SOCKET_IFNAME"], env["VLLM_HOST_IP"], env["UCX_NET_DEVICES"]) == ("lo", "127.0.0.1", "eth9")
     assert dict(os.environ) == before
 
@@ -38,5 +38,5 @@ def test_joining_a_cluster_sets_nothing(recorded):
     before = dict(os.environ)
     assert local_ray.start_ray("ns", address="10.0.0.1:6379") is False
     (kwargs, env), = recorded
-    assert kwargs["address"] == "10.0.0.1:6379" and "_node_ip_address" not in kwargs
+    assert kwargs["address"] == "10.0.0.1:6379" and "num_cpus" not in kwargs
     assert env == before and not any(name in env for name in local_ray.LOOPBACK_ENV)

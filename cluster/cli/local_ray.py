@@ -4,9 +4,9 @@ A local instance is one machine, so nothing it runs has to be reachable from els
 process's environment holds what keeps the listeners that vLLM, UCX and torch let a caller place on loopback there
 (`LOOPBACK_ENV`); Ray's daemons, and so every actor and vLLM process they start, inherit it, and this process gets
 its own environment back (what it starts later - another Ray cluster, a server - is not bound by it). A variable
-already set wins (a pool's `env` wins over both). Ray's node address is 127.0.0.1 as well, so its workers and front ends (`http.host:
-node`) use loopback; Ray's own servers (GCS, raylet, agents, each worker's gRPC port) bind every interface whatever
-the node address, and are guarded by Ray's token authentication (docs/operations.md, Security).
+already set wins (a pool's `env` wins over both). Ray's own servers (GCS, raylet, agents, each worker's gRPC port)
+bind every interface whatever they are given (Ray turns even a node address of 127.0.0.1 into the machine's), and
+are guarded by Ray's token authentication (docs/operations.md, Security).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def start_ray(namespace: str | None = None, address: str | None = None, **kwargs
     added = [name for name in LOOPBACK_ENV if name not in os.environ]
     os.environ.update({name: LOOPBACK_ENV[name] for name in added})
     try:
-        options.update(num_cpus=LOCAL_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1")
+        options.update(num_cpus=LOCAL_CPUS, include_dashboard=False)
         ray.init(**{**options, **kwargs})
     finally:
         for name in added:
