@@ -141,14 +141,23 @@ class Router:
         self.prefill_timeout_s = PREFILL_TIMEOUT_S
         self._routes: tuple[float, dict[str, list[str]]] | None = None  # (when, the coordinator's last routes)
         self.coordinator_unreachable = False  # the last routes question went unanswered
+        self._routes_question: asyncio.Future | None = None  # while unreachable: the routes question under way
+        self._routes_asked_at = 0.0
         self.stale_routed = 0  # requests routed on the coordinator's last routes while it did not answer
 
     async def routes(self) -> dict[str, list[str]]:
         """Ready prefill engine -> approved ready decode engines, from the coordinator; while it does not answer
         within ROUTES_FALLBACK_AFTER_S (dead and restarting, or wedged), the last routes it gave, for up to
-        ROUTES_STALE_S after they were given. The first answer is waited for as long as any coordinator call."""
+        ROUTES_STALE_S after they were given - at once from then on: the coordinator is asked again in the background
+        (`_answered_meanwhile`), and its first answer ends the fallback. The first answer is waited for as long as any
+        coordinator call."""
         if self._routes is None or time.monotonic() - self._routes[0] > ROUTES_STALE_S:
             routes = await self._ask("routes")
+        elif self.coordinator_unreachable:
+            answer = self._answered_meanwhile()
+            if answer is None:
+                return self._routes[1]
+            routes = answer
         else:
             try:
                 routes = await asyncio.wait_for(self.coordinator.routes(), ROUTES_FALLBACK_AFTER_S)
@@ -168,6 +177,23 @@ class Router:
             del self._channels[engine_id]  # its stream ended when it left: nothing waits on it
         self.choice.left(listed)
         return routes
+
+    def _answered_meanwhile(self) -> dict[str, list[str]] | None:
+        """While requests are routed on the coordinator's last routes: its answer to the routes question asked in
+        the background, if one came; otherwise None, with a question under way - one at a time (each waits up to
+        COORDINATOR_TIMEOUT_S), at most one per CAPACITY_POLL_S - so that no request waits on a coordinator that
+        is restarting. A question left by an event loop that ended is not waited on from another."""
+        question, loop = self._routes_question, asyncio.get_running_loop()
+        ours = question is not None and question.get_loop() is loop and not question.cancelled()
+        if ours and question.done() and question.exception() is None:
+            self._routes_question = None
+            return question.result()
+        if not ours or (question.done() and time.monotonic() - self._routes_asked_at >= CAPACITY_POLL_S):
+            self._routes_asked_at = time.monotonic()
+            question = self._routes_question = asyncio.ensure_future(
+                asyncio.wait_for(self.coordinator.routes(), COORDINATOR_TIMEOUT_S))
+            question.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is not an error here
+        return None
 
     async def _ask(self, method: str, *args: Any) -> Any:
         """A coordinator call with a deadline - COORDINATOR_TIMEOUT_S, or ROUTES_FALLBACK_AFTER_S while requests are

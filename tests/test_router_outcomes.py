@@ -355,6 +355,42 @@ def test_while_the_coordinator_is_away_an_engine_that_failed_is_not_looked_up_ag
     assert router.choice.wary() == {"d1"} and router.stale_routed >= 3
 
 
+def test_while_the_coordinator_is_away_requests_route_at_once_on_its_last_routes():
+    """The coordinator stops answering (restarting): the first request waits ROUTES_FALLBACK_AFTER_S for it, then
+    is routed on the last routes; the next ones are routed at once while one question waits in the background (not
+    one each). When the coordinator answers it - as Ray delivers the calls queued for a restarting actor - its new
+    routes take over."""
+    d, d2 = FakeEngine([tokens(5, finish="length")]), FakeEngine([tokens(6, finish="length")])
+    coordinator = FakeCoordinator({"p": FakeEngine([]), "d": d, "d2": d2}, [("p", "d")])
+    router = Router(coordinator, policy="load")
+
+    async def run():
+        await collect(router)
+        answering, asked = coordinator.routes, []
+
+        def away():
+            asked.append(asyncio.get_running_loop().create_future())
+            return asked[-1]
+
+        coordinator.routes = SimpleNamespace(remote=away)
+        took = []
+        for _ in range(4):
+            t0 = time.monotonic()
+            assert [t for o in await collect(router) for t in o["token_ids"]] == [5]
+            took.append(time.monotonic() - t0)
+        coordinator.pairs, coordinator.routes = [("p", "d2")], answering  # back, with another decode engine
+        for question in asked:
+            if not question.done():
+                question.set_result({"p": ["d2"]})
+        await asyncio.sleep(0.1)  # the answer reaches the question's task
+        return took, len(asked), [t for o in await collect(router) for t in o["token_ids"]]
+
+    took, questions, back = asyncio.run(run())
+    assert took[0] >= 0.9 and max(took[1:]) < 0.5, took
+    assert questions == 2  # the first request's, then one in the background for the three after it
+    assert back == [6] and not router.coordinator_unreachable and router.stale_routed == 4
+
+
 def test_requests_failing_together_on_one_engine_make_one_report():
     """Six requests whose decode engine ends each with an error while the coordinator is still checking it: one
     report of that engine reaches the coordinator (a burst used to take one coordinator slot per request)."""
