@@ -121,6 +121,10 @@ class PairChoice:
             log.warning("engine %s is avoided for %g s where another can serve: %s", engine_id, SUSPECT_S, why)
         self.suspects[engine_id] = now + SUSPECT_S
 
+    def trust(self, engine_id: str) -> None:
+        """New requests may go to `engine_id` again (the coordinator, which had not answered, lists it again)."""
+        self.suspects.pop(engine_id, None)
+
     def left(self, listed: set[str]) -> None:
         """The coordinator lists only `listed` now: a suspect that left is forgotten - pools reuse engine ids, and one
         listed again under that id is a new engine."""

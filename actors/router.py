@@ -70,7 +70,8 @@ class EngineFailure(RuntimeError):
     prefill side's bytes, transfer.verify: `engine_id` is the prefill engine; no engine is at fault as far as anyone
     knows, so the retry prefers another pair but may take the same). `streamed`: tokens had already reached the
     caller (then the request cannot be retried transparently). `stuck`: the engine is alive but did not serve
-    (`EngineStuck`): new requests avoid it for a while (`PairChoice.suspect`)."""
+    (`EngineStuck`): new requests avoid it for a while (`PairChoice.suspect`). `unknown`: nothing failed - this
+    front end has no client for the engine and the coordinator does not answer."""
 
     def __init__(self, phase: str, engine_id: str, cause: BaseException | str, streamed: bool = False):
         text = str(cause) if isinstance(cause, EngineStuck) else error_text(cause) if isinstance(cause, BaseException) else cause
@@ -78,6 +79,7 @@ class EngineFailure(RuntimeError):
         self.phase, self.engine_id, self.streamed = phase, engine_id, streamed
         self.engine_died = isinstance(cause, BaseException) and _is_actor_death(cause)
         self.stuck = isinstance(cause, EngineStuck)
+        self.unknown = False  # no client for the engine, and the coordinator did not answer (`Router.engine`)
 
 
 def _is_actor_death(e: BaseException) -> bool:
@@ -143,6 +145,7 @@ class Router:
         self.coordinator_unreachable = False  # the last routes question went unanswered
         self._routes_question: asyncio.Future | None = None  # while unreachable: the routes question under way
         self._routes_asked_at = 0.0
+        self._outage_suspects: set[str] = set()  # engines avoided for failing while the coordinator did not answer
         self.stale_routed = 0  # requests routed on the coordinator's last routes while it did not answer
 
     async def routes(self) -> dict[str, list[str]]:
@@ -166,9 +169,15 @@ class Router:
                     log.warning("the coordinator does not answer (%s): serving on its last routes", error_text(e))
                 self.coordinator_unreachable = True
                 return self._routes[1]
+        if self._routes_question is not None:  # an answer taken here ends any question still out (or sitting)
+            self._routes_question.cancel()
+            self._routes_question = None
         if self.coordinator_unreachable:
             log.warning("the coordinator answers again")
             self.coordinator_unreachable = False
+            for engine_id in self._outage_suspects:  # it decides now: listed engines are trusted again
+                self.choice.trust(engine_id)
+            self._outage_suspects.clear()
         self._routes = (time.monotonic(), routes)
         listed = set(routes).union(*routes.values())
         for engine_id in [e for e in self._engines if e not in listed]:  # left (or not ready): asked again if it returns
@@ -181,8 +190,9 @@ class Router:
     def _answered_meanwhile(self) -> dict[str, list[str]] | None:
         """While requests are routed on the coordinator's last routes: its answer to the routes question asked in
         the background, if one came; otherwise None, with a question under way - one at a time (each waits up to
-        COORDINATOR_TIMEOUT_S), at most one per CAPACITY_POLL_S - so that no request waits on a coordinator that
-        is restarting. A question left by an event loop that ended is not waited on from another."""
+        2 x ROUTES_FALLBACK_AFTER_S: calls queued for a restarting actor are answered once it is back), at most one
+        per CAPACITY_POLL_S - so that no request waits on a coordinator that is restarting. A question left by an
+        event loop that ended is not waited on from another."""
         question, loop = self._routes_question, asyncio.get_running_loop()
         ours = question is not None and question.get_loop() is loop and not question.cancelled()
         if ours and question.done() and question.exception() is None:
@@ -190,10 +200,12 @@ class Router:
             return question.result()
         if not ours or (question.done() and time.monotonic() - self._routes_asked_at >= CAPACITY_POLL_S):
             self._routes_asked_at = time.monotonic()
-            question = self._routes_question = asyncio.ensure_future(
-                asyncio.wait_for(self.coordinator.routes(), COORDINATOR_TIMEOUT_S))
+            question = self._routes_question = asyncio.ensure_future(self._routes_answer())
             question.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is not an error here
         return None
+
+    async def _routes_answer(self) -> dict[str, list[str]]:
+        return await asyncio.wait_for(self.coordinator.routes(), 2 * ROUTES_FALLBACK_AFTER_S)
 
     async def _ask(self, method: str, *args: Any) -> Any:
         """A coordinator call with a deadline - COORDINATOR_TIMEOUT_S, or ROUTES_FALLBACK_AFTER_S while requests are
@@ -207,15 +219,18 @@ class Router:
 
     async def engine(self, engine_id: str, phase: str = "decode") -> EngineClient:
         """The client of a registered engine (asked of the coordinator once, then kept until the engine fails a
-        request); EngineFailure in `phase` once it has left, or when the coordinator cannot say (then the routes are
-        its last ones, and this engine's client was dropped when it failed a request: another pair takes the
-        request, rather than a 503 for an engine the routes may list only because they are old)."""
+        request); EngineFailure in `phase` once it has left, or when the coordinator cannot say (`unknown`: the
+        routes are its last ones, and this engine is one this front end has no client for - never asked, or dropped
+        when it died: another pair takes the request, rather than a 503 for an engine the routes may list only
+        because they are old)."""
         if engine_id not in self._engines:
             try:
                 engine = await self._ask("client", engine_id)
             except CoordinatorUnavailable as e:
-                raise EngineFailure(phase, engine_id, f"its client is not known here and the coordinator does not "
-                                              f"answer ({e})") from None
+                failure = EngineFailure(phase, engine_id, f"its client is not known here and the coordinator does "
+                                                          f"not answer ({e})")
+                failure.unknown = True
+                raise failure from None
             if engine is None:  # it left (scale-down, death) after the coordinator listed it: try another pair
                 raise EngineFailure(phase, engine_id, "the engine left the cluster")
             self._engines[engine_id] = engine
@@ -301,12 +316,16 @@ class Router:
                 continue
             except EngineFailure as e:
                 verify = e.phase == "verify"
-                if e.stuck or (self.coordinator_unreachable and not verify):
-                    # alive but not serving, or failed while the coordinator cannot take it out of the routes (they
-                    # are its last ones): until the coordinator decides, new requests go elsewhere
+                outage = self.coordinator_unreachable and (e.engine_died or e.unknown)
+                if e.stuck or outage:
+                    # alive but not serving; or dead, or out of reach, while the coordinator cannot take it out of
+                    # the routes (they are its last ones): new requests go elsewhere until it decides
                     self.choice.suspect(e.engine_id, str(e))
-                if not verify:
-                    self._forget(e.engine_id)  # ask the coordinator again: it may have left or been replaced
+                    if outage and not e.stuck:
+                        self._outage_suspects.add(e.engine_id)
+                if not verify and not e.unknown:
+                    if not self.coordinator_unreachable or e.engine_died or e.stuck:
+                        self._forget(e.engine_id)  # ask the coordinator again: it may have left or been replaced
                     self._background(self._report_failure(e.engine_id))
                 if pair is not None and not verify:
                     raise

@@ -29,7 +29,8 @@ def test_a_local_instance_starts_on_loopback_and_gives_the_environment_back(reco
     before = dict(os.environ)
     assert local_ray.start_ray("ns") is True
     (kwargs, env), = recorded
-    assert (kwargs["num_cpus"], kwargs["include_dashboard"], kwargs["namespace"]) == (local_ray.LOCAL_CPUS, False, "ns")
+    assert (kwargs["address"], kwargs["num_cpus"], kwargs["include_dashboard"], kwargs["namespace"]) == (
+        "local", local_ray.LOCAL_CPUS, False, "ns")
     assert (env["GLOO_SOCKET_IFNAME"], env["VLLM_HOST_IP"], env["UCX_NET_DEVICES"]) == ("lo", "127.0.0.1", "eth9")
     assert dict(os.environ) == before
 

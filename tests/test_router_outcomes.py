@@ -391,6 +391,47 @@ def test_while_the_coordinator_is_away_requests_route_at_once_on_its_last_routes
     assert back == [6] and not router.coordinator_unreachable and router.stale_routed == 4
 
 
+def test_during_an_outage_only_a_dead_engine_is_avoided_and_only_until_the_coordinator_answers():
+    """While the coordinator does not answer: a request-level error on d1 (the engine ends one request with an
+    error) costs that request a retry and nothing more - d1 keeps its client and the next requests may use it; a
+    dead d2 (its actor gone) is avoided by the next requests. Once the coordinator answers and still lists d2 (a
+    replacement registered under its id), d2 is trusted again."""
+    from ray.exceptions import ActorDiedError
+
+    class Dead(FakeEngine):
+        def submit_decode(self, *args, **kwargs):
+            raise ActorDiedError()
+
+    d1 = FakeEngine([{"token_ids": [], "text": "", "finish_reason": "error"}])
+    d2, d3 = Dead([]), FakeEngine([tokens(5, finish="length")])
+    coordinator = FakeCoordinator({"p": FakeEngine([]), "d1": d1, "d2": d2, "d3": d3},
+                                  [("p", "d1"), ("p", "d2"), ("p", "d3")])
+    router = Router(coordinator, policy="load")
+    order = iter(["d1", "d3", "d2", "d3"])
+    router.choice.pick = lambda candidates, role: next(order) if role == "decode" else sorted(candidates)[0]
+
+    async def run():
+        await router.routes()
+        for d in ("d1", "d2", "d3"):
+            await router.engine(d)  # clients known before the outage
+        answering = coordinator.routes
+        coordinator.routes = SimpleNamespace(remote=lambda: asyncio.get_running_loop().create_future())
+        first = await collect(router)  # d1: a request-level error, retried on d3
+        wary = router.choice.wary()
+        second = await collect(router, seed=1)  # d2: dead, retried on d3
+        coordinator.routes = answering
+        await asyncio.sleep(2.1)  # past the background question's deadline: the next one is answered
+        await router.routes()
+        await asyncio.sleep(0.1)
+        return first, wary, second, await router.routes()
+
+    first, wary, second, back = asyncio.run(run())
+    assert [t for o in first for t in o["token_ids"]] == [5] == [t for o in second for t in o["token_ids"]]
+    assert wary == set() and router.choice.suspected == 1 and "d1" in router._engines and "d2" not in router._engines
+    assert router.retried == 2 and back == {"p": ["d1", "d2", "d3"]} and not router.coordinator_unreachable
+    assert router.choice.wary() == set()  # d2 is listed again: trusted
+
+
 def test_requests_failing_together_on_one_engine_make_one_report():
     """Six requests whose decode engine ends each with an error while the coordinator is still checking it: one
     report of that engine reaches the coordinator (a burst used to take one coordinator slot per request)."""

@@ -35,7 +35,8 @@ def start_ray(namespace: str | None = None, address: str | None = None, **kwargs
     added = [name for name in LOOPBACK_ENV if name not in os.environ]
     os.environ.update({name: LOOPBACK_ENV[name] for name in added})
     try:
-        options.update(num_cpus=LOCAL_CPUS, include_dashboard=False)
+        # "local": a new instance, never one a `ray start` left running on this machine
+        options.update(address="local", num_cpus=LOCAL_CPUS, include_dashboard=False)
         ray.init(**{**options, **kwargs})
     finally:
         for name in added:
