@@ -60,6 +60,17 @@ async def _awaitable(ref: Any) -> Any:
     return await ref
 
 
+def _ours(question: asyncio.Future | None) -> bool:
+    """A shared coordinator question (`Router._listed`, `Router._answered_meanwhile`) this event loop can use: one
+    asked from it and not cancelled - a question left by a loop that ended is never waited on from another."""
+    return question is not None and question.get_loop() is asyncio.get_running_loop() and not question.cancelled()
+
+
+def _ask_again(question: asyncio.Future | None, asked_at: float) -> bool:
+    """Whether a shared question is asked anew: none usable here, or its answer is CAPACITY_POLL_S old."""
+    return not _ours(question) or (question.done() and time.monotonic() - asked_at >= CAPACITY_POLL_S)
+
+
 class CoordinatorUnavailable(NoCapacity):
     """The coordinator did not answer (restarting, overloaded or gone)."""
 
@@ -193,12 +204,11 @@ class Router:
         2 x ROUTES_FALLBACK_AFTER_S: calls queued for a restarting actor are answered once it is back), at most one
         per CAPACITY_POLL_S - so that no request waits on a coordinator that is restarting. A question left by an
         event loop that ended is not waited on from another."""
-        question, loop = self._routes_question, asyncio.get_running_loop()
-        ours = question is not None and question.get_loop() is loop and not question.cancelled()
-        if ours and question.done() and question.exception() is None:
+        question = self._routes_question
+        if _ours(question) and question.done() and question.exception() is None:
             self._routes_question = None
             return question.result()
-        if not ours or (question.done() and time.monotonic() - self._routes_asked_at >= CAPACITY_POLL_S):
+        if _ask_again(question, self._routes_asked_at):
             self._routes_asked_at = time.monotonic()
             question = self._routes_question = asyncio.ensure_future(self._routes_answer())
             question.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is not an error here
@@ -379,9 +389,7 @@ class Router:
         """Every engine the coordinator lists (paired, or a ready decode engine); None while it does not answer. One
         question per CAPACITY_POLL_S, shared by every stream waiting for capacity (a burst of failovers that find no
         engine is one poll, not one per stream)."""
-        listing = self._listing
-        if (listing is None or listing.get_loop() is not asyncio.get_running_loop() or listing.cancelled()
-                or (listing.done() and time.monotonic() - self._listing_at >= CAPACITY_POLL_S)):
+        if _ask_again(self._listing, self._listing_at):
             self._listing_at = time.monotonic()
             self._listing = asyncio.ensure_future(self._list_engines())
         return await asyncio.shield(self._listing)
