@@ -93,6 +93,15 @@ async def collect(router: Router, **sampling) -> list[dict]:
 ABORT = {"token_ids": [], "text": "", "finish_reason": "abort"}
 
 
+async def question_ended(router: Router, timeout_s: float = 5.0) -> None:
+    """Until the routes question the router asks in the background while the coordinator is away has ended
+    (answered, failed or past its deadline)."""
+    t0 = time.monotonic()
+    while router._routes_question is not None and not router._routes_question.done():
+        assert time.monotonic() - t0 < timeout_s, "the background routes question did not end"
+        await asyncio.sleep(0.01)
+
+
 def test_an_aborted_request_is_never_a_short_answer_it_continues_elsewhere():
     """The decode engine stops under a request after two of its three tokens: the stream goes on, the prompt plus
     the two tokens sent are run again - here on the prefill engine alone, the decode pool having no other engine -
@@ -382,7 +391,7 @@ def test_while_the_coordinator_is_away_requests_route_at_once_on_its_last_routes
         for question in asked:
             if not question.done():
                 question.set_result({"p": ["d2"]})
-        await asyncio.sleep(0.1)  # the answer reaches the question's task
+        await question_ended(router)
         return took, len(asked), [t for o in await collect(router) for t in o["token_ids"]]
 
     took, questions, back = asyncio.run(run())
@@ -420,9 +429,9 @@ def test_during_an_outage_only_a_dead_engine_is_avoided_and_only_until_the_coord
         wary = router.choice.wary()
         second = await collect(router, seed=1)  # d2: dead, retried on d3
         coordinator.routes = answering
-        await asyncio.sleep(2.1)  # past the background question's deadline: the next one is answered
-        await router.routes()
-        await asyncio.sleep(0.1)
+        await question_ended(router)  # the one asked while away ends at its deadline
+        await router.routes()  # asks again; this one is answered
+        await question_ended(router)
         return first, wary, second, await router.routes()
 
     first, wary, second, back = asyncio.run(run())
