@@ -80,6 +80,7 @@ class FrontendSettings:
     first_token_from_prefill: bool = True
     local_prefill_queue: int | None = None
     local_prefill_when_idle: bool = False
+    local_prefill_speed: float | None = None
     routing_policy: str = "cache"
     stall_timeout_s: float = 5.0
     failover_wait_s: float = 90.0
@@ -604,7 +605,8 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any, replica: 
     router = Router(coordinator, first_token_from_prefill=settings.first_token_from_prefill,
                     local_prefill_queue=settings.local_prefill_queue,
                     local_prefill_when_idle=settings.local_prefill_when_idle, policy=settings.routing_policy,
-                    stall_s=settings.stall_timeout_s, failover_wait_s=settings.failover_wait_s)
+                    stall_s=settings.stall_timeout_s, failover_wait_s=settings.failover_wait_s,
+                    local_prefill_speed=settings.local_prefill_speed)
     client = cluster_engine_client(vllm_config, router, metrics)
     tasks = await client.get_supported_tasks()
     app = build_app(args, tasks, vllm_config.model_config)

@@ -6,11 +6,13 @@ resume, attention blocks and a recurrent-state checkpoint (`cluster.core.prefix.
 `resumable` for itself, so every front end sees one picture) - then among the decode engines the coordinator
 approved for it the least loaded (`choose_decode`). "load": the least-loaded engine of each pool, prefixes ignored.
 Conditional disaggregation - the decode engine prefilling a request itself, with no transfer - is decided here too:
-when the prefill engine is backlogged (`local_prefill_queue`), the decode engine idle (`local_prefill_when_idle`), or
-the decode engine resumes a longer prefix than the prefill engine and computes less.
+when the prefill engine is backlogged (`local_prefill_queue`), the decode engine would reach the first token sooner
+with its own prompts queued, at a fraction of the prefill engine's speed (`local_prefill_speed`,
+`cluster.core.prefix.local_is_sooner`), the decode engine is idle (`local_prefill_when_idle`), or it resumes a longer
+prefix than the prefill engine and computes less.
 
 The load counters are this router's own view, kept by the router as requests start and end (`inflight`, `heading`,
-`headed_decoding`, `pending_tokens`): what it routed and has not seen an engine report yet counts, so requests routed
+`headed_decoding`, `pending_tokens`, `local_tokens`): what it routed and has not seen an engine report yet counts, so requests routed
 in one burst spread instead of all taking the one hit."""
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import Counter
 from typing import Awaitable, Callable
 
 from actors.engine_client import UNRESPONSIVE_S, error_text
-from cluster.core.prefix import EngineView, choose_decode, choose_prefill, prefill_cost
+from cluster.core.prefix import EngineView, choose_decode, choose_prefill, local_is_sooner, prefill_cost
 
 log = logging.getLogger("pd.router")
 POLICIES = ("cache", "load")
@@ -55,14 +57,18 @@ class Choice:
 class PairChoice:
     def __init__(self, policy: str = "cache", local_prefill_queue: int | None = None,
                  local_prefill_when_idle: bool = False,
-                 resumable: Callable[[str, list[int]], Awaitable[EngineView]] | None = None):
+                 resumable: Callable[[str, list[int]], Awaitable[EngineView]] | None = None,
+                 local_prefill_speed: float | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if local_prefill_queue is not None and local_prefill_queue < 0:
             raise ValueError(f"local_prefill_queue must be >= 0 or None, not {local_prefill_queue!r}")
+        if local_prefill_speed is not None and not 0 < local_prefill_speed <= 1:
+            raise ValueError(f"local_prefill_speed must be in (0, 1] or None, not {local_prefill_speed!r}")
         self.policy = policy
         self.local_prefill_queue = local_prefill_queue
         self.local_prefill_when_idle = local_prefill_when_idle
+        self.local_prefill_speed = local_prefill_speed
         self._resumable = resumable  # (engine id, prompt) -> what that engine can resume of it
         # engine id -> this router's requests on it: prefills in flight on a prefill engine, decodes on a decode engine
         self.inflight: Counter[str] = Counter()
@@ -70,6 +76,8 @@ class PairChoice:
         self.heading: Counter[str] = Counter()
         self.headed_decoding: Counter[str] = Counter()  # of those, the ones already decoding (also in inflight)
         self.pending_tokens: Counter[str] = Counter()  # prefill engine id -> this router's prompt tokens routed there
+        # decode engine id -> prompt tokens of this router's requests it prefills itself, until their first output
+        self.local_tokens: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()  # prefill engines chosen, by reason (`cluster.core.prefix`)
         self.suspects: dict[str, float] = {}  # engine id -> until when new requests avoid it (`suspect`)
         self.suspected = 0  # engines marked so
@@ -99,8 +107,10 @@ class PairChoice:
                 raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
             d_id = pair[1] if pair else self.pick(decodes, "decode")
         backlogged = self.local_prefill_queue is not None and self.inflight[p_id] >= self.local_prefill_queue
+        sooner = self.local_prefill_speed is not None and local_is_sooner(
+            uncached, len(prompt_token_ids), self.pending_tokens[p_id], self.local_tokens[d_id], self.local_prefill_speed)
         idle = self.local_prefill_when_idle and self.inflight[d_id] == 0 and self.heading[d_id] == 0
-        local = pair is None and (backlogged or idle or local_by_cache)
+        local = pair is None and (backlogged or sooner or idle or local_by_cache)
         if pair is None:
             self.decisions["local" if local else reason] += 1
         return Choice(p_id, d_id, uncached, local, reason)

@@ -114,14 +114,18 @@ class Router:
     samples the first token of the requests that allow it (see the module's docstring), which reaches the client
     without waiting for the transfer and a decode step. `local_prefill_queue` (None: off): when the least-loaded
     prefill engine already has that many of this router's prompts in prefill, the request goes whole to the decode
-    engine picked for it (conditional disaggregation; `local_prefill` counts them). `local_prefill_when_idle`: so
+    engine picked for it (conditional disaggregation; `local_prefill` counts them). `local_prefill_speed` (None: off):
+    so does a request whose first token that decode engine, prefilling at this fraction of the prefill engine's
+    speed after the prompts it already prefills itself, reaches sooner than the prefill engine after its queue (this
+    router's prompts on each). `local_prefill_when_idle`: so
     does a request whose decode engine has none of this router's requests in flight and none in prefill headed for it
     - there is no decode stream for its prefill to stall, and the decode engine (at the decode TP) answers it with no
     transfer; `local_prefill` counts these too."""
 
     def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True,
                  local_prefill_queue: int | None = None, local_prefill_when_idle: bool = False,
-                 policy: str = "cache", stall_s: float = STALL_S, failover_wait_s: float = FAILOVER_WAIT_S):
+                 policy: str = "cache", stall_s: float = STALL_S, failover_wait_s: float = FAILOVER_WAIT_S,
+                 local_prefill_speed: float | None = None):
         if stall_s <= 0:
             raise ValueError(f"stall_s must be > 0, not {stall_s!r}")
         if failover_wait_s < 0:
@@ -129,7 +133,8 @@ class Router:
         if decode_transport not in TRANSPORTS:
             raise ValueError(f"decode_transport must be one of {TRANSPORTS}, not {decode_transport!r}")
         self.coordinator = CoordinatorClient.of(coordinator)
-        self.choice = PairChoice(policy, local_prefill_queue, local_prefill_when_idle, self._resumable)
+        self.choice = PairChoice(policy, local_prefill_queue, local_prefill_when_idle, self._resumable,
+                                 local_prefill_speed)
         self.stall_s = stall_s
         self.failover_wait_s = failover_wait_s
         self.waited_for_capacity = 0  # streams failing over that found no engine and waited for one to join
@@ -475,11 +480,18 @@ class Router:
             # has no stream to stall, or it resumes more of the prompt; the decode engine computes this prompt in its
             # own steps instead, with no transfer (vLLM's chunked prefill)
             self.local_prefill += 1
-            decode = await self.engine(d_id, "decode")
-            async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, None,
-                                                        continued=continued)) as outs:
-                async for out in outs:
-                    yield out
+            queued = len(prompt_token_ids)
+            load.local_tokens[d_id] += queued  # no await since the choice: the next choice sees this prompt there
+            try:
+                decode = await self.engine(d_id, "decode")
+                async with contextlib.aclosing(self._decode(d_id, decode, prompt_token_ids, params, rid, None,
+                                                            continued=continued)) as outs:
+                    async for out in outs:
+                        load.local_tokens[d_id] -= queued  # its prefill is done
+                        queued = 0
+                        yield out
+            finally:
+                load.local_tokens[d_id] -= queued
             return
 
         load.heading[d_id] += 1  # no await since the choice's load checks: a request routed next sees this one

@@ -22,9 +22,11 @@ def write(tmp_path: Path, data) -> Path:
 def test_default_deployment_is_the_embedded_one():
     cfg = load_deploy(ROOT / "deploy.yaml")
     assert (cfg.model.builtin, cfg.prefill.tp, cfg.decode.tp, cfg.device) == ("gdn", 1, 1, "cpu")
-    # cores as devices: each engine on a core of its own, every request disaggregated
+    # cores as devices: each engine on a core of its own; the decode engine lends its core to prompts in chunks
+    # of a block only while prompts queue at the prefill engine
     assert (cfg.prefill.cores_per_engine, cfg.decode.cores_per_engine) == (1, 1)
-    assert cfg.transfer.local_prefill_queue is None
+    assert cfg.transfer.local_prefill_queue is None and cfg.transfer.local_prefill_speed == 0.5
+    assert cfg.decode.max_num_batched_tokens == 256 and cfg.prefill.max_num_batched_tokens is None
     assert cfg.prefill.autoscaling and cfg.decode.autoscaling  # each pool 1..2 engines (as far as free cores allow)
     showcase = load_deploy(ROOT / "configs" / "deploy-tp-showcase.yaml")  # the differing-TP layout, sharing cores
     assert (showcase.prefill.tp, showcase.decode.tp) == (1, 2)
@@ -72,6 +74,8 @@ def test_gpu_example_is_4p2d(tmp_path, monkeypatch):
         ({"transfer": {"verify": "sometimes"}}, "transfer.verify", "off, all or a fraction"),
         ({"transfer": {"local_prefill_queue": -1}}, "transfer.local_prefill_queue", "greater than or equal to 0"),
         ({"transfer": {"local_prefill_when_idle": "sometimes"}}, "transfer.local_prefill_when_idle", "valid boolean"),
+        ({"transfer": {"local_prefill_speed": 0}}, "transfer.local_prefill_speed", "greater than 0"),
+        ({"transfer": {"local_prefill_speed": 1.5}}, "transfer.local_prefill_speed", "less than or equal to 1"),
         ({"transfer": {"verify": "all"}, "device": "cuda"}, "(top)", "transfer.verify: checksums are computed by the CPU over DRAM"),
         ({"decode": {"placement": {"resources": {"CPU": 1}}}}, "decode.placement.resources", "a Ray built-in"),
         ({"decode": {"placement": {"resources": {"slot": 0}}}}, "decode.placement.resources", "must be > 0"),

@@ -449,6 +449,45 @@ def test_a_backlogged_prefill_engine_leaves_the_prompt_to_the_decode_engine(pd):
         Router(pd.coordinator, local_prefill_queue=-1)
 
 
+def test_the_decode_engine_prefills_the_prompts_it_finishes_sooner(pd):
+    """`transfer.local_prefill_speed`: three prompts (280, 300, 290 tokens) routed together. The first goes to the
+    idle prefill engine. At speed 1 the second finishes sooner on the decode engine (300 against 280 + 300 tokens)
+    and is prefilled there; the third would finish no sooner there, behind it (300 + 290 against 280 + 290), and is
+    disaggregated. At speed 0.5 the second stays with the prefill engine (600 against 580) and the third goes to the
+    decode engine (580 against 870). The decode engine reads only the disaggregated ones; all answers are the
+    model's; the router's count of the decode engine's own prompts is back to zero."""
+    from actors.router import Router
+
+    decode = pd.engines[("decode", 1)]
+    for speed, expected, seed in ((1.0, [False, True, False], 16), (0.5, [False, False, True], 17)):
+        three = prompts(seed=seed, lengths=(279, 299, 289))  # new prompts each time: nothing in a prefix cache
+        router = Router(pd.coordinator, local_prefill_speed=speed, policy="load")
+        router.choice.pick = lambda candidates, role: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
+        assert asyncio.run(run_router(router, prompts()[0])) == oracle(prompts()[0])  # routes and engines cached
+        assert router.local_prefill == 0  # nothing queued: disaggregated
+        ray.get(decode.transfer_stats())  # drain
+        routed: dict[int, bool] = {}
+        choose = router.choice.choose
+
+        async def spied(prompt, *args, **kwargs):
+            choice = await choose(prompt, *args, **kwargs)
+            routed[len(prompt)] = choice.local
+            return choice
+
+        router.choice.choose = spied
+
+        async def together():
+            return await asyncio.gather(*(run_router(router, p) for p in three))
+
+        assert asyncio.run(together()) == [oracle(p) for p in three], f"local_prefill_speed {speed}"
+        assert [routed[len(p)] for p in three] == expected, (speed, routed)
+        read = ray.get(decode.transfer_stats())
+        assert router.local_prefill == 1 and len(read) == 2, (speed, router.local_prefill, read)
+        assert sum(router.choice.local_tokens.values()) == 0
+    with pytest.raises(ValueError, match="local_prefill_speed"):
+        Router(pd.coordinator, local_prefill_speed=0)
+
+
 def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
     """`transfer.local_prefill_when_idle`: a request routed while its decode engine has none of the router's requests
     in flight and none in prefill headed for it is prefilled there (no transfer); of two routed together, the second

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from cluster.core.prefix import (EngineView, PrefixRecord, Resumable, block_hashes, choose_decode, choose_prefill,
-                                 prefill_cost)
+                                 local_is_sooner, prefill_cost)
 
 B = 4
 
@@ -97,6 +97,22 @@ def test_cost_prefers_a_hit_unless_its_engine_is_loaded():
     assert choose_prefill(100, [EngineView("b"), EngineView("a")])[0] == "b"
     with pytest.raises(ValueError):
         choose_prefill(10, [])
+
+
+def test_the_decode_engine_prefills_only_what_it_finishes_sooner():
+    """`local_is_sooner`: with nothing queued at the prefill engine the decode engine never takes a prompt, whatever
+    its speed; under a backlog it takes prompts while its own queue, at its speed, ends sooner - and then stops."""
+    for speed in (0.3, 0.5, 1.0):
+        assert not local_is_sooner(1000, 1000, 0, 0, speed)
+    assert local_is_sooner(1000, 1000, 1001, 0, 0.5)  # 2000 < 2001
+    assert not local_is_sooner(1000, 1000, 1000, 0, 0.5)  # a tie goes to the prefill engine
+    assert local_is_sooner(1000, 1000, 4000, 1000, 0.5)  # 4000 < 5000: a second local prompt
+    assert not local_is_sooner(1000, 1000, 4000, 1500, 0.5)  # 5000: it would finish no sooner
+    # a prefill-side prefix hit makes the prefill engine's share smaller: the same queue keeps the prompt there
+    assert local_is_sooner(1000, 1000, 1500, 0, 0.5) and not local_is_sooner(200, 1000, 1500, 0, 0.5)
+    for speed in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="speed"):
+            local_is_sooner(1, 1, 1, 1, speed)
 
 
 def test_decode_choice_is_load_first_then_bytes_not_read():

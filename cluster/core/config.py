@@ -270,6 +270,14 @@ class TransferConfig(_Strict):
         "null: every request is disaggregated. Where prefill and decode engines share cores (the embedded default), "
         "a backlog at the prefill engine is better spent in the decode engine's own steps (vLLM's chunked prefill); "
         "Dynamo's max_prefill_queue_size makes the same call")
+    local_prefill_speed: float | None = Field(
+        None, gt=0, le=1, description="conditional disaggregation by expected time to first token: a request is "
+        "prefilled by its decode engine itself (no transfer) when it would reach its first token sooner there - the "
+        "prompts that decode engine already prefills itself plus this one, at this fraction of the prefill engine's "
+        "speed, against the prompts queued at the prefill engine plus this one (the front end's own requests on "
+        "each). Nothing queued at the prefill engine: never; a backlog there: the decode engine takes the share it "
+        "finishes sooner. Pair it with a small decode max_num_batched_tokens (at least twice the model's block size), "
+        "so that such a prompt runs in chunks beside the decodes; null: off")
     local_prefill_when_idle: bool = Field(
         False, description="conditional disaggregation: a request whose decode engine has no request of the front "
         "end's in flight, nor one in prefill headed for it, is prefilled by that decode engine itself (no transfer): "

@@ -158,3 +158,16 @@ def choose_decode(views: Sequence[EngineView]) -> str:
     if not views:
         raise ValueError("no decode engine to choose from")
     return min(views, key=lambda v: (v.running, -v.resumable.attention_tokens)).engine_id
+
+
+def local_is_sooner(prefill_tokens: int, local_tokens: int, prefill_queued: int, local_queued: int,
+                    speed: float) -> bool:
+    """Whether a decode engine prefilling a prompt itself reaches its first token before the prefill engine would.
+    The prefill engine would compute `prefill_tokens` of it after the `prefill_queued` prompt tokens waiting there;
+    the decode engine `local_tokens` after the `local_queued` of the prompts it is prefilling itself, at `speed`
+    (0 < speed <= 1) times the prefill engine's rate - in chunks that share its steps with the running decodes. With
+    nothing queued at the prefill engine it never is; under a backlog the decode engine takes the share of the prompts
+    it finishes sooner, and no more."""
+    if not 0 < speed <= 1:
+        raise ValueError(f"speed must be in (0, 1], not {speed!r}")
+    return (local_queued + local_tokens) / speed < prefill_queued + prefill_tokens

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parents[3]
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
            "request_throughput", "output_throughput")
 
@@ -105,7 +106,8 @@ def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[
 
 def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int,
                   prefix_caching: bool = False, local_prefill_queue: int | None = None,
-                  local_prefill_when_idle: bool = False, share_cores: bool = False) -> list[dict]:
+                  local_prefill_when_idle: bool = False, share_cores: bool = False,
+                  local_prefill_speed: float | None = None, decode_budget: int | None = None) -> list[dict]:
     from actors.engine_settings import free_port
     from cluster.cli.bench.targets import local_cluster
     from cluster.core.config import DeployConfig
@@ -113,9 +115,11 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
     cfg = DeployConfig.model_validate({
         "model": {"path": model_dir, "name": "tiny-hybrid"},
         "prefill": {"tp": p_tp, "enable_prefix_caching": prefix_caching, "share_cores": share_cores},
-        "decode": {"tp": d_tp, "enable_prefix_caching": prefix_caching, "share_cores": share_cores},
+        "decode": {"tp": d_tp, "enable_prefix_caching": prefix_caching, "share_cores": share_cores,
+                   "max_num_batched_tokens": decode_budget},
         "coordinator": {"name": "coordinator-bench-serve", "namespace": "pd-bench-serve"},
-        "transfer": {"local_prefill_queue": local_prefill_queue, "local_prefill_when_idle": local_prefill_when_idle},
+        "transfer": {"local_prefill_queue": local_prefill_queue, "local_prefill_when_idle": local_prefill_when_idle,
+                     "local_prefill_speed": local_prefill_speed},
         "http": {"port": free_port()},
     })
     with local_cluster(cfg) as cluster:  # as `make run` starts it
@@ -291,6 +295,8 @@ def round_order(targets: list[str], rounds: int) -> list[tuple[int, str]]:
 
 
 def main(args: Any) -> int:
+    import argparse
+
     from cluster.cli.tiny_model import ensure_model
 
     model_dir = str(ensure_model(args.model))
@@ -311,9 +317,14 @@ def main(args: Any) -> int:
     if share is None:  # auto: cores of their own where the node has enough for both engines' ranks
         share = args.prefill_tp + args.decode_tp > len(os.sched_getaffinity(0))
     caching = args.prefix_caching == "on"
+    try:
+        speed, budget = local_prefill_speed(args.local_prefill_speed)
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(str(e)) from None
     print(f"bench serve: {args.model}, prompts of {args.input_len} tokens, {args.output_len} out, P TP {args.prefill_tp} "
           f"+ D TP {args.decode_tp}, prefix caching {args.prefix_caching} on every engine, the cluster's local prefill "
-          f"queue {'off' if args.local_prefill_queue is None else args.local_prefill_queue}, its local prefill when "
+          f"speed {'off' if speed is None else speed} (decode step budget {budget or 'vLLM' + chr(39) + 's'}), its local "
+          f"prefill queue {'off' if args.local_prefill_queue is None else args.local_prefill_queue}, its local prefill when "
           f"idle {args.local_prefill_when_idle}, its engines {'sharing' if share else 'each on'} cores "
           f"{'' if share else 'of its own '}({len(os.sched_getaffinity(0))} here); targets "
           f"{', '.join(targets)}; {args.rounds} round(s)", flush=True)
@@ -321,7 +332,8 @@ def main(args: Any) -> int:
         print(f"round {rnd}/{args.rounds}: {target}", flush=True)
         if target == "cluster":
             got = bench_cluster(model_dir, args.prefill_tp, args.decode_tp, loads, args.input_len, args.output_len,
-                                caching, args.local_prefill_queue, args.local_prefill_when_idle == "on", share)
+                                caching, args.local_prefill_queue, args.local_prefill_when_idle == "on", share,
+                                speed, budget)
         elif target.startswith("vllm-tp"):
             got = bench_vllm_server(model_dir, int(target.removeprefix("vllm-tp")), loads, args.input_len,
                                     args.output_len, logs, caching)
@@ -342,13 +354,36 @@ def main(args: Any) -> int:
     path.write_text(json.dumps({"benchmark": "serve", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": args.model,
                                 "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "input_len": args.input_len,
                                 "output_len": args.output_len, "prefix_caching": args.prefix_caching,
-                                "local_prefill_queue": args.local_prefill_queue,
+                                "local_prefill_queue": args.local_prefill_queue, "local_prefill_speed": speed,
+                                "decode_max_num_batched_tokens": budget,
                                 "local_prefill_when_idle": args.local_prefill_when_idle, "rounds": args.rounds,
                                 "share_cores": share, "vllm_tp": args.vllm_tp, "cores": len(os.sched_getaffinity(0)),
                                 "summary": summary, "targets": checks, "rows": rows}, indent=2))
     plot(summary, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def local_prefill_speed(value: str) -> tuple[float | None, int | None]:
+    """`--local-prefill-speed`: the cluster's transfer.local_prefill_speed and its decode pool's
+    max_num_batched_tokens - "deploy" takes both from the repository's deploy.yaml, "off" neither (every request
+    disaggregated, vLLM's step budget), a number that speed with deploy.yaml's decode budget."""
+    import argparse
+
+    from cluster.core.config import load_deploy
+
+    deploy = load_deploy(REPO / "deploy.yaml")
+    if value == "off":
+        return None, None
+    if value == "deploy":
+        return deploy.transfer.local_prefill_speed, deploy.decode.max_num_batched_tokens
+    try:
+        speed = float(value)
+    except ValueError:
+        speed = -1.0
+    if not 0 < speed <= 1:
+        raise argparse.ArgumentTypeError(f"--local-prefill-speed: a number in (0, 1], deploy or off, not {value!r}")
+    return speed, deploy.decode.max_num_batched_tokens
 
 
 def _queue(value: str) -> int | None:
@@ -390,6 +425,9 @@ def add_args(p: Any) -> None:
     p.add_argument("--prefix-caching", choices=("off", "on"), default="off",
                    help="vLLM's prefix caching on every engine of every target (default off: the random prompts share "
                         "no prefix, and for GDN/Mamba layers it costs prefill time - vLLM's 'align' state mode)")
+    p.add_argument("--local-prefill-speed", default="deploy", help="the cluster's transfer.local_prefill_speed, with "
+                   "deploy.yaml's decode max_num_batched_tokens (default deploy: both as deploy.yaml; off: every request "
+                   "disaggregated; or a number in (0, 1])")
     p.add_argument("--local-prefill-queue", type=_queue, default=None, help="the cluster's transfer.local_prefill_queue "
                    "(default off, as deploy.yaml: every request disaggregated)")
     p.add_argument("--local-prefill-when-idle", choices=("off", "on"), default="off", help="the cluster's "
