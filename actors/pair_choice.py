@@ -12,8 +12,8 @@ with its own prompts queued, at a fraction of the prefill engine's speed (`local
 prefix than the prefill engine and computes less.
 
 The load counters are this router's own view, kept by the router as requests start and end (`inflight`, `heading`,
-`headed_decoding`, `pending_tokens`, `local_tokens`): what it routed and has not seen an engine report yet counts, so requests routed
-in one burst spread instead of all taking the one hit."""
+`headed_decoding`, `pending_tokens`, `local_tokens`): what it routed and has not seen an engine report yet counts,
+so requests routed in one burst spread instead of all taking the one hit."""
 
 from __future__ import annotations
 

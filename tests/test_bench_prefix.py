@@ -268,13 +268,15 @@ def test_the_bench_cluster_is_two_and_two_shared_cores_all_disaggregated_with_th
 
     cfg = DeployConfig.model_validate({"prefill": {"tp": 2, "max_replicas": 3, "enable_prefix_caching": False},
                                        "decode": {"tp": 1}, "transfer": {"local_prefill_queue": 3,
-                                                                         "local_prefill_when_idle": True}})
+                                                                         "local_prefill_when_idle": True,
+                                                                         "local_prefill_speed": 0.5}})
     out = deploy_for_prefix_bench(cfg, 12345, "load", 2.0)
     for pool in (out.prefill, out.decode):
         assert (pool.tp, pool.min_replicas, pool.max_replicas, pool.share_cores, pool.enable_prefix_caching,
                 pool.kv_cache_gib) == (1, 2, 2, True, True, 2.0)
         assert not pool.autoscaling
     assert out.transfer.local_prefill_queue is None and out.transfer.local_prefill_when_idle is False
+    assert out.transfer.local_prefill_speed is None
     assert out.routing.policy == "load" and out.http.port == 12345 and out.coordinator.namespace == "pd-bench-prefix"
     assert out.model == cfg.model and out.transfer.verify == cfg.transfer.verify
     assert cfg.prefill.tp == 2 and cfg.http.port == 8000  # the loaded config untouched

@@ -267,9 +267,8 @@ class TransferConfig(_Strict):
     local_prefill_queue: int | None = Field(
         None, ge=0, description="conditional disaggregation: a request is prefilled by its decode engine itself (no "
         "transfer) when the prefill engine chosen for it already has this many prompts in prefill from the front end; "
-        "null: every request is disaggregated. Where prefill and decode engines share cores (the embedded default), "
-        "a backlog at the prefill engine is better spent in the decode engine's own steps (vLLM's chunked prefill); "
-        "Dynamo's max_prefill_queue_size makes the same call")
+        "null: off. Unlike local_prefill_speed it does not look at the decode engine's own backlog; Dynamo's "
+        "max_prefill_queue_size makes the same call")
     local_prefill_speed: float | None = Field(
         None, gt=0, le=1, description="conditional disaggregation by expected time to first token: a request is "
         "prefilled by its decode engine itself (no transfer) when it would reach its first token sooner there - the "

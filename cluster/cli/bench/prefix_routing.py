@@ -5,7 +5,7 @@ this machine, on three workloads.
 Targets, each started, run through every workload of `--workloads` in turn, then stopped:
   cache  the deploy file's cluster (`--deploy`) reshaped for this bench: 2 prefill + 2 decode engines at TP 1, prefix
          caching on in both pools, autoscaling off (min = max = 2), `share_cores: true` (4 engines on a 2-core
-         machine cannot own a core each), every request disaggregated (`transfer.local_prefill_queue: null`, not
+         machine cannot own a core each), every request disaggregated (no `transfer.local_prefill_speed`, `local_prefill_queue`, nor
          `local_prefill_when_idle`), `--kv-cache-gib` per engine, and `routing.policy: cache`;
   load   the same cluster with `routing.policy: load` (prefixes ignored);
   vllm   vLLM's own OpenAI server, one engine at TP 1 with prefix caching on, started as `bench goodput` starts it
@@ -660,7 +660,7 @@ def deploy_for_prefix_bench(cfg: Any, port: int, policy: str, kv_cache_gib: floa
     for role in ("prefill", "decode"):
         data[role].update(tp=1, min_replicas=2, max_replicas=2, share_cores=True, enable_prefix_caching=True,
                           kv_cache_gib=kv_cache_gib)
-    data["transfer"].update(local_prefill_queue=None, local_prefill_when_idle=False)
+    data["transfer"].update(local_prefill_queue=None, local_prefill_when_idle=False, local_prefill_speed=None)
     data["routing"] = {**data.get("routing", {}), "policy": policy}
     data["http"]["port"] = port
     data["coordinator"].update(name=f"{BENCH_NAMESPACE}-coordinator", namespace=BENCH_NAMESPACE)
