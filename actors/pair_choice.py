@@ -95,9 +95,10 @@ class PairChoice:
         it. NoCapacity when no approved decode engine is left."""
         local_by_cache, reason = False, "load"
         uncached = len(prompt_token_ids)
+        queued = 0  # prompt tokens ahead at the chosen prefill engine, by its own answer (cache policy)
         if pair is None and self.policy == "cache":
-            p_id, d_id, uncached, local_by_cache, reason = await self._by_cost(prompt_token_ids, prefills, prefer_not,
-                                                                              routes, avoid)
+            p_id, d_id, uncached, local_by_cache, reason, queued = await self._by_cost(
+                prompt_token_ids, prefills, prefer_not, routes, avoid)
         else:
             p_id = pair[0] if pair else self.pick([p for p in prefills if p not in prefer_not] or prefills, "prefill")
             decodes = [d for d in routes[p_id] if d not in avoid] if p_id in prefills else []
@@ -107,8 +108,10 @@ class PairChoice:
                 raise NoCapacity(f"no decode engine is approved for prefill engine {p_id}")
             d_id = pair[1] if pair else self.pick(decodes, "decode")
         backlogged = self.local_prefill_queue is not None and self.inflight[p_id] >= self.local_prefill_queue
+        # the prefill engine's queue: every front end's prompts there where it was asked, else this router's own
+        ahead = max(self.pending_tokens[p_id], queued)
         sooner = self.local_prefill_speed is not None and local_is_sooner(
-            uncached, len(prompt_token_ids), self.pending_tokens[p_id], self.local_tokens[d_id], self.local_prefill_speed)
+            uncached, len(prompt_token_ids), ahead, self.local_tokens[d_id], self.local_prefill_speed)
         idle = self.local_prefill_when_idle and self.inflight[d_id] == 0 and self.heading[d_id] == 0
         local = pair is None and (backlogged or sooner or idle or local_by_cache)
         if pair is None:
@@ -158,13 +161,14 @@ class PairChoice:
         return ids[start:] + ids[:start]
 
     async def _by_cost(self, prompt_token_ids: list[int], prefills: list[str], prefer_not: frozenset[str] | set[str],
-                       routes: dict[str, list[str]], avoid: set[str]) -> tuple[str, str, int, bool, str]:
+                       routes: dict[str, list[str]], avoid: set[str]) -> tuple[str, str, int, bool, str, int]:
         """routing.policy cache: the prefill engine of least cost (`choose_prefill`: its queue plus the prompt past
         the prefix it can resume), then among the decode engines approved for it the least loaded (`choose_decode`;
         with `local_prefill_queue` set they are asked too, and ties go to the one holding most of the prompt).
         Returns (prefill engine, decode engine, the prompt tokens the prefill engine is expected to compute, whether
         the decode engine should prefill it itself: conditional disaggregation is on and that engine resumes a
-        longer prefix, computing less than the prefill engine's cost, and why the prefill engine was chosen)."""
+        longer prefix, computing less than the prefill engine's cost, why the prefill engine was chosen, and the
+        prompt tokens queued there: its own answer for every front end where it was asked, at least this router's)."""
         candidates = self.rotated([p for p in prefills if p not in prefer_not] or prefills, "prefill")
         decodes = sorted({d for p in candidates for d in routes[p] if d not in avoid})
         local_rule = self.local_prefill_queue is not None
@@ -196,7 +200,7 @@ class PairChoice:
         d_id = choose_decode(d_views)
         d_hit = d_known[d_id].resumable.checkpoint_tokens
         local = local_rule and d_hit > p_view.resumable.checkpoint_tokens and n - d_hit < prefill_cost(n, p_view)
-        return p_id, d_id, n - p_view.resumable.checkpoint_tokens, local, reason
+        return p_id, d_id, n - p_view.resumable.checkpoint_tokens, local, reason, p_view.queued_tokens
 
     async def _views(self, prompt_token_ids: list[int], engine_ids: list[str]) -> dict[str, EngineView]:
         """Each engine's `resumable` answer; one that does not answer within VIEW_TIMEOUT_S (or has left) is seen as

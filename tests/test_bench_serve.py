@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from cluster.cli.bench.serve import METRICS, add_args, check_targets, ratios, round_order, summarize, table
+from cluster.cli.bench.serve import (METRICS, add_args, check_targets, ratios, resolve_local_prefill, round_order,
+                                     summarize, table)
 
 
 def _row(target: str, conc: int, rnd: int, scale: float, failed: int = 0) -> dict:
@@ -101,3 +102,19 @@ def test_rounds_must_be_positive():
     assert p.parse_args([]).rounds == 3
     with pytest.raises(SystemExit):
         p.parse_args(["--rounds", "0"])
+
+
+def test_the_cluster_takes_deploy_yamls_local_prefill_rule_unless_told(tmp_path):
+    """`--local-prefill-speed`: deploy (the default) takes deploy.yaml's rule and decode step budget, off neither, a
+    number that speed with the file's budget; anything else is refused as the command line is read."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    assert p.parse_args([]).local_prefill_speed == "deploy"
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("transfer:\n  local_prefill_speed: 0.4\ndecode:\n  max_num_batched_tokens: 384\n")
+    assert resolve_local_prefill("deploy", deploy) == (0.4, 384)
+    assert resolve_local_prefill("0.25", deploy) == (0.25, 384)
+    assert resolve_local_prefill("off", tmp_path / "absent.yaml") == (None, None)  # the file is not read
+    for bad in ("0", "1.5", "fast", "-1"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--local-prefill-speed", bad])

@@ -10,6 +10,7 @@ with requests in flight) and tests/test_faults.py (the last engine killed under 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -573,3 +574,35 @@ def test_the_one_rule_for_an_engine_gone_silent(answers, stuck):
     got = asyncio.run(Scripted(None, "e").stuck(3.0))
     assert (got.state if got else None) == stuck
     assert asked == [3.0] * len(answers)  # asked exactly as often as the rule needs, each with the timeout given
+
+
+def test_the_decode_engines_own_prompts_are_counted_until_their_first_output_whatever_ends_them():
+    """`transfer.local_prefill_speed`: with prompts queued at the prefill engine, a request goes to its decode engine
+    whole (no prefill call, no transfer parameters); the router counts its prompt tokens on that engine until the
+    first output. The count is given back when the request ends normally, when the engine fails it before any
+    output (the retry runs elsewhere), and when the caller stops reading after the first output."""
+    async def first_only(router):
+        async with contextlib.aclosing(router.generate([1, 2, 3], {"max_tokens": 3})) as outs:
+            async for out in outs:
+                return out
+
+    for outputs, run, served_by in (
+            ([tokens(5), tokens(6), tokens(7, finish="length")], collect, "d"),
+            ([{"token_ids": [], "text": "", "finish_reason": "error"}], collect, "p"),
+            ([tokens(5), tokens(6), tokens(7, finish="length")], first_only, "d")):
+        d, p = FakeEngine(outputs), FakeEngine([tokens(5, 6, 7, finish="length")])
+        router = Router(FakeCoordinator({"p": p, "d": d}, [("p", "d")]), local_prefill_speed=1.0)
+        router.choice.pending_tokens["p"] = 10_000  # a queue at the prefill engine: the decode engine is sooner
+        seen = []
+        original = router.choice.choose
+
+        async def spied(*args, **kwargs):
+            choice = await original(*args, **kwargs)
+            seen.append(choice.local)
+            return choice
+
+        router.choice.choose = spied
+        asyncio.run(run(router))
+        assert seen[0] is True and d.submitted and d.submitted[0][2] is None  # whole on the decode engine
+        assert (p if served_by == "p" else d).submitted, served_by
+        assert router.local_prefill >= 1 and sum(router.choice.local_tokens.values()) == 0, router.choice.local_tokens

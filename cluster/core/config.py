@@ -118,8 +118,10 @@ class PoolConfig(_Strict):
     cores_per_rank: int = Field(1, ge=1, le=256, description="CPU hosts, share_cores false: cores each TP rank owns")
     max_num_batched_tokens: int | None = Field(
         None, ge=16, le=1 << 20, description="vLLM's token budget of one engine step (default: vLLM's). On a decode "
-        "pool that prefills some requests itself (transfer.local_prefill_queue), a small budget cuts such a prompt "
-        "into chunks that share steps with the running decodes, instead of one long step that stalls them all")
+        "pool that prefills some requests itself (transfer.local_prefill_speed, local_prefill_queue), a small budget "
+        "cuts such a prompt into chunks that share steps with the running decodes, instead of one long step that "
+        "stalls them all; hybrid models: at least two blocks (the launcher refuses less), since a chunk that stops "
+        "before the prompt's end must end on a block boundary")
     scaling: ScalingConfig = ScalingConfig()
     placement: PlacementConfig = PlacementConfig()
     env: dict[str, str] = Field(
@@ -273,9 +275,9 @@ class TransferConfig(_Strict):
         None, gt=0, le=1, description="conditional disaggregation by expected time to first token: a request is "
         "prefilled by its decode engine itself (no transfer) when it would reach its first token sooner there - the "
         "prompts that decode engine already prefills itself plus this one, at this fraction of the prefill engine's "
-        "speed, against the prompts queued at the prefill engine plus this one (the front end's own requests on "
-        "each). Nothing queued at the prefill engine: never; a backlog there: the decode engine takes the share it "
-        "finishes sooner. Pair it with a small decode max_num_batched_tokens (at least twice the model's block size), "
+        "speed, against the prompt tokens waiting or in prefill at the prefill engine plus this one (the front "
+        "end's own requests, or every front end's where the prefill engines are asked). Nothing in prefill there: "
+        "never; a backlog: the decode engine takes the share it finishes sooner. Pair it with a small decode max_num_batched_tokens (at least twice the model's block size), "
         "so that such a prompt runs in chunks beside the decodes; null: off")
     local_prefill_when_idle: bool = Field(
         False, description="conditional disaggregation: a request whose decode engine has no request of the front "

@@ -144,8 +144,9 @@ class _ClusterCollector:
                 ("pd_routing_view_failures", "routing_view_failures", "Engines that did not answer what they hold "
                  "within 0.5 s (the choice went on without them)"),
                 ("pd_requests_local_prefill", "local_prefill", "Requests their decode engine prefilled itself, with no "
-                 "transfer, because their prefill engine was backlogged (transfer.local_prefill_queue) or their decode "
-                 "engine idle (transfer.local_prefill_when_idle)")):
+                 "transfer: it reached the first token sooner (transfer.local_prefill_speed), their prefill engine was "
+                 "backlogged (transfer.local_prefill_queue), their decode engine idle (transfer.local_prefill_when_idle) "
+                 "or it resumed a longer prefix")):
             counter = CounterMetricFamily(name, help_)
             counter.add_metric([], float(state.get(key, 0)))
             yield counter

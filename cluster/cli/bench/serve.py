@@ -295,8 +295,6 @@ def round_order(targets: list[str], rounds: int) -> list[tuple[int, str]]:
 
 
 def main(args: Any) -> int:
-    import argparse
-
     from cluster.cli.tiny_model import ensure_model
 
     model_dir = str(ensure_model(args.model))
@@ -317,10 +315,7 @@ def main(args: Any) -> int:
     if share is None:  # auto: cores of their own where the node has enough for both engines' ranks
         share = args.prefill_tp + args.decode_tp > len(os.sched_getaffinity(0))
     caching = args.prefix_caching == "on"
-    try:
-        speed, budget = local_prefill_speed(args.local_prefill_speed)
-    except argparse.ArgumentTypeError as e:
-        raise SystemExit(str(e)) from None
+    speed, budget = resolve_local_prefill(args.local_prefill_speed)
     print(f"bench serve: {args.model}, prompts of {args.input_len} tokens, {args.output_len} out, P TP {args.prefill_tp} "
           f"+ D TP {args.decode_tp}, prefix caching {args.prefix_caching} on every engine, the cluster's local prefill "
           f"speed {'off' if speed is None else speed} (decode step budget {budget or 'vLLM' + chr(39) + 's'}), its local "
@@ -364,25 +359,30 @@ def main(args: Any) -> int:
     return 0
 
 
-def local_prefill_speed(value: str) -> tuple[float | None, int | None]:
-    """`--local-prefill-speed`: the cluster's transfer.local_prefill_speed and its decode pool's
-    max_num_batched_tokens - "deploy" takes both from the repository's deploy.yaml, "off" neither (every request
-    disaggregated, vLLM's step budget), a number that speed with deploy.yaml's decode budget."""
+def speed_arg(value: str) -> str:
+    """`--local-prefill-speed`'s spellings, checked as the command line is read: deploy, off, or a number in (0, 1]."""
     import argparse
 
+    if value not in ("deploy", "off"):
+        try:
+            speed = float(value)
+        except ValueError:
+            speed = -1.0
+        if not 0 < speed <= 1:
+            raise argparse.ArgumentTypeError(f"a number in (0, 1], deploy or off, not {value!r}")
+    return value
+
+
+def resolve_local_prefill(value: str, deploy_file: Path | None = None) -> tuple[float | None, int | None]:
+    """`--local-prefill-speed` as the cluster's transfer.local_prefill_speed and its decode pool's
+    max_num_batched_tokens: "off" neither (every request disaggregated, vLLM's step budget); "deploy" both as the
+    repository's deploy.yaml says; a number that speed with deploy.yaml's decode budget."""
+    if speed_arg(value) == "off":
+        return None, None
     from cluster.core.config import load_deploy
 
-    deploy = load_deploy(REPO / "deploy.yaml")
-    if value == "off":
-        return None, None
-    if value == "deploy":
-        return deploy.transfer.local_prefill_speed, deploy.decode.max_num_batched_tokens
-    try:
-        speed = float(value)
-    except ValueError:
-        speed = -1.0
-    if not 0 < speed <= 1:
-        raise argparse.ArgumentTypeError(f"--local-prefill-speed: a number in (0, 1], deploy or off, not {value!r}")
+    deploy = load_deploy(deploy_file or REPO / "deploy.yaml")
+    speed = deploy.transfer.local_prefill_speed if value == "deploy" else float(value)
     return speed, deploy.decode.max_num_batched_tokens
 
 
@@ -425,11 +425,11 @@ def add_args(p: Any) -> None:
     p.add_argument("--prefix-caching", choices=("off", "on"), default="off",
                    help="vLLM's prefix caching on every engine of every target (default off: the random prompts share "
                         "no prefix, and for GDN/Mamba layers it costs prefill time - vLLM's 'align' state mode)")
-    p.add_argument("--local-prefill-speed", default="deploy", help="the cluster's transfer.local_prefill_speed, with "
+    p.add_argument("--local-prefill-speed", type=speed_arg, default="deploy", help="the cluster's transfer.local_prefill_speed, with "
                    "deploy.yaml's decode max_num_batched_tokens (default deploy: both as deploy.yaml; off: every request "
                    "disaggregated; or a number in (0, 1])")
     p.add_argument("--local-prefill-queue", type=_queue, default=None, help="the cluster's transfer.local_prefill_queue "
-                   "(default off, as deploy.yaml: every request disaggregated)")
+                   "(default off, as deploy.yaml)")
     p.add_argument("--local-prefill-when-idle", choices=("off", "on"), default="off", help="the cluster's "
                    "transfer.local_prefill_when_idle (default off, as deploy.yaml: a decode engine with no request in "
                    "flight, nor one in prefill headed for it, prefills the next one itself)")
