@@ -45,7 +45,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[3]
+from cluster.cli.bench.targets import REPO
+
 KNOWN_TARGETS = ("cluster", "vllm-tp1", "vllm-tp2", "stock-pd")
 DEFAULT_TARGETS = "cluster,vllm-tp1,vllm-tp2"
 BASELINE_CANDIDATES = ("vllm-tp1", "vllm-tp2")

@@ -52,9 +52,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from cluster.cli.bench.targets import REPO
 from cluster.cli.tiny_model import BENCH_KINDS, KINDS
 
-REPO = Path(__file__).resolve().parents[3]
 KNOWN_TARGETS = ("cache", "load", "vllm")
 CLUSTER_TARGETS = {"cache": "cache", "load": "load"}  # target -> routing.policy
 DEFAULT_TARGETS = "cache,load,vllm"

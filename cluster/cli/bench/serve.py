@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[3]
+from cluster.cli.bench.targets import REPO
+
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
            "request_throughput", "output_throughput")
 
@@ -316,9 +317,10 @@ def main(args: Any) -> int:
         share = args.prefill_tp + args.decode_tp > len(os.sched_getaffinity(0))
     caching = args.prefix_caching == "on"
     speed, budget = resolve_local_prefill(args.local_prefill_speed)
+    budget_said = budget or "vLLM's"
     print(f"bench serve: {args.model}, prompts of {args.input_len} tokens, {args.output_len} out, P TP {args.prefill_tp} "
           f"+ D TP {args.decode_tp}, prefix caching {args.prefix_caching} on every engine, the cluster's local prefill "
-          f"speed {'off' if speed is None else speed} (decode step budget {budget or 'vLLM' + chr(39) + 's'}), its local "
+          f"speed {'off' if speed is None else speed} (decode step budget {budget_said}), its local "
           f"prefill queue {'off' if args.local_prefill_queue is None else args.local_prefill_queue}, its local prefill when "
           f"idle {args.local_prefill_when_idle}, its engines {'sharing' if share else 'each on'} cores "
           f"{'' if share else 'of its own '}({len(os.sched_getaffinity(0))} here); targets "
