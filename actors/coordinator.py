@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from actors.cores import start_host_cores
 from actors.engine_client import (ENGINE_PREFIX, HEALTH_TIMEOUT_S, UNRESPONSIVE_S, EngineClient, Leftovers, Registration,
                                   Silence)
 from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
@@ -46,6 +47,7 @@ class CoordinatorActor:
         self.restarted = ctx.was_current_actor_reconstructed
         self._rebuild: asyncio.Task | None = None
         self.rebuilt: list[str] = []
+        self.host_cores = start_host_cores("coordinator")  # off the cores decode engines reserve (actors.cores)
 
     async def _ready(self) -> None:
         """Before answering anything after a restart, re-register every live engine of this namespace."""

@@ -9,6 +9,13 @@ cores), and the lock files say which cores on that node.
 
 The files live in a directory per Ray node (PD_CORE_LOCK_DIR, default /tmp/hybrid-pd-cores/<node id>): several Ray
 nodes on one machine (test clusters) each account for their own cores, as Ray does for their CPUs.
+
+Reserved cores: an engine whose pool reserves its cores (`reserve_cores`; by default a decode pool that owns its
+cores) marks its lock files so, and the cluster's own processes on the node - the HTTP front ends, the engine actors'
+Python side (vLLM's client: output handling, detokenizing, the decode channel), the coordinator - keep off those cores
+(`HostCores`), as a GPU host's threads stay off the GPU: a decode step is then not preempted by a token's HTTP
+delivery or an engine's bookkeeping. They run on the node's other cores instead, prefill engines' ones included
+(`host_cores`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from cluster.core.cores import format_cores, parse_cores
 NODE_CORES_ENV = "PD_NODE_CORES"  # a node's cores for engines (cpu-list syntax); default: the process's affinity
 LOCK_DIR_ENV = "PD_CORE_LOCK_DIR"
 DEFAULT_LOCK_DIR = "/tmp/hybrid-pd-cores"
+HOST_CORES_ENV = "PD_HOST_CORES"  # "all": the cluster's own processes run on every core (no `HostCores` pinning)
+HOST_CORES_INTERVAL_S = 5.0
 
 
 class CoresUnavailable(RuntimeError):
@@ -66,18 +75,22 @@ class CoreLease:
         self._files.clear()
 
 
+RESERVED_MARK = "reserved"  # a lock file's second line when its core is reserved (see the module docstring)
+
+
 def _holder(path: str) -> str:
     try:
         with open(path) as f:
-            return f.read().strip() or "an unnamed holder"
+            return f.readline().strip() or "an unnamed holder"
     except OSError:
         return "an unnamed holder"
 
 
 def lease_cores(count: int, owner: str, node_id: str, *, who: str = "",
-                cores: tuple[int, ...] | None = None) -> CoreLease:
+                cores: tuple[int, ...] | None = None, reserved: bool = False) -> CoreLease:
     """Take `count` free cores of this node (the lowest free ones) for `owner`; raise `CoresUnavailable`, naming the
-    cores and their holders, when fewer are free. `who` prefixes the message (e.g. "decode pool")."""
+    cores and their holders, when fewer are free. `who` prefixes the message (e.g. "decode pool"). `reserved`: the
+    cluster's own processes keep off these cores (`host_cores`)."""
     cores = node_cores() if cores is None else cores
     where = lock_dir(node_id)
     os.makedirs(where, exist_ok=True)
@@ -97,7 +110,7 @@ def lease_cores(count: int, owner: str, node_id: str, *, who: str = "",
             continue
         f.seek(0)
         f.truncate()
-        f.write(f"{owner} (pid {os.getpid()})\n")
+        f.write(f"{owner} (pid {os.getpid()})\n" + (f"{RESERVED_MARK}\n" if reserved else ""))
         f.flush()
         taken.append(core)
         files.append(f)
@@ -111,6 +124,144 @@ def lease_cores(count: int, owner: str, node_id: str, *, who: str = "",
             f"{free} free of its {len(cores)} ({format_cores(cores)}); held: {held}. Give the node more cores, lower "
             "the pool's tp or max_replicas, or set share_cores: true on the pool to let its engines share cores")
     return lease
+
+
+def _flocked() -> set[tuple[int, int, int]] | None:
+    """(device major, minor, inode) of every file some process holds an flock on (/proc/locks), or None where the
+    kernel does not say."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    held = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "FLOCK" or parts[2] == "->":  # "->": a process waiting for the lock
+            continue
+        try:
+            major, minor, inode = parts[5].split(":")
+            held.add((int(major, 16), int(minor, 16), int(inode)))
+        except ValueError:
+            continue
+    return held
+
+
+def _pid_alive(holder: str) -> bool:
+    """Whether the process a lock file's first line names ("owner (pid N)") lives (where /proc/locks is unreadable)."""
+    pid = holder.rpartition("(pid ")[2].rstrip(")")
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reserved_cores(node_id: str) -> set[int]:
+    """The cores of this node that engines hold now with `reserved`: each lock file that says so and that a live
+    process holds an flock on (a holder that died leaves its file behind, but the kernel dropped its lock)."""
+    where = lock_dir(node_id)
+    try:
+        names = [n for n in os.listdir(where) if n.startswith("core-") and n[5:].isdigit()]
+    except FileNotFoundError:
+        return set()
+    held = _flocked()
+    out = set()
+    for name in names:
+        path = os.path.join(where, name)
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+            st = os.stat(path)
+        except OSError:
+            continue
+        if RESERVED_MARK not in (line.strip() for line in lines[1:]):
+            continue
+        alive = ((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in held if held is not None
+                 else _pid_alive(lines[0] if lines else ""))
+        if alive:
+            out.add(int(name[5:]))
+    return out
+
+
+def host_cores(node_id: str, allowed: tuple[int, ...] | set[int]) -> tuple[int, ...]:
+    """Where the cluster's own processes run on this node: the cores of `allowed` (the process's own) that no engine
+    holds reserved, or all of `allowed` when engines reserve every one of them (a process must run somewhere)."""
+    reserved = reserved_cores(node_id)
+    free = tuple(sorted(c for c in allowed if c not in reserved))
+    return free or tuple(sorted(allowed))
+
+
+class HostCores:
+    """Keeps every thread of this process on `host_cores`: pinned at `start`, then checked every `interval_s`
+    seconds in a daemon thread (engines come and go: a decode engine that joins later reserves its cores then, one
+    that leaves frees them). Threads started by a pinned thread inherit its cores. PD_HOST_CORES=all turns it off:
+    every process runs where the kernel puts it."""
+
+    def __init__(self, node_id: str, who: str, interval_s: float = HOST_CORES_INTERVAL_S) -> None:
+        self.node_id, self.who, self.interval_s = node_id, who, interval_s
+        self.allowed = tuple(sorted(os.sched_getaffinity(0)))  # what this process was given: pinning stays within
+        self.cores: tuple[int, ...] = self.allowed
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def enabled() -> bool:
+        return os.environ.get(HOST_CORES_ENV, "").strip().lower() != "all"
+
+    def apply(self) -> tuple[int, ...]:
+        """Pin every thread of this process to the host cores now; returns them."""
+        cores = host_cores(self.node_id, self.allowed)
+        want = set(cores)
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                if os.sched_getaffinity(int(tid)) != want:
+                    os.sched_setaffinity(int(tid), want)
+            except (ProcessLookupError, OSError):  # a thread that ended meanwhile
+                continue
+        if cores != self.cores:
+            import logging
+
+            logging.getLogger("pd.cores").info("%s runs on cores %s (engines reserve %s)", self.who,
+                                               format_cores(cores),
+                                               format_cores(sorted(set(self.allowed) - want)) or "none")
+            self.cores = cores
+        return cores
+
+    def start(self) -> "HostCores":
+        if not self.enabled() or self._thread is not None:
+            return self
+        self.apply()
+        self._thread = threading.Thread(target=self._loop, name="pd-host-cores", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.apply()
+            except Exception:  # noqa: BLE001 - an optimisation: never let it take the process down
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def start_host_cores(who: str) -> HostCores | None:
+    """`HostCores` for this Ray worker's node, started; None outside Ray or where it is turned off."""
+    if not HostCores.enabled():
+        return None
+    try:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - not in a Ray worker: nothing to keep off
+        return None
+    return HostCores(node_id, who).start()
 
 
 def bind_this_thread(cores: tuple[int, ...]) -> None:

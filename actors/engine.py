@@ -44,7 +44,8 @@ from typing import Any
 import psutil
 import ray
 
-from actors.cores import bind_this_thread, lease_cores, node_cores, normal_priority, thread_affinities, unbind_thread
+from actors.cores import (HostCores, bind_this_thread, lease_cores, node_cores, normal_priority, start_host_cores,
+                          thread_affinities, unbind_thread)
 from actors.connector_ranks import ConnectorRanks
 from actors.engine_client import (CHANNEL_BACKLOG, ENGINE_PREFIX, Busy, EngineClient, Health, Leftovers, Load,
                                   Prefilled, Registration)
@@ -84,12 +85,15 @@ class EngineActor:
         served_model: str = "tiny-hybrid",
         device: str = "cpu",
         own_cores: int = 0,
+        reserve_cores: bool = False,
     ) -> None:
         self.model_dir = str(model_dir)
         self.tp = tp
         self.device = device
         self.own_cores = own_cores  # cores this engine takes for itself at start (0: it shares the node's cores)
         self.lease = None  # actors.cores.CoreLease once taken
+        self.reserve_cores = reserve_cores  # the cluster's own processes keep off its cores (actors.cores.HostCores)
+        self.host_cores: HostCores | None = None  # this actor's own threads: off the reserved cores, once started
         self.role, self.served_model = role, served_model
         self.engine_id = engine_id or f"{role or 'engine'}-{uuid.uuid4().hex[:8]}"
         self.kwargs = vllm_engine_args(self.model_dir, tp, max_model_len=max_model_len, dtype=dtype,
@@ -152,6 +156,9 @@ class EngineActor:
         finally:
             builder.shutdown(wait=False)  # its one thread is bound to the engine's cores: used for nothing else
         self.procs.note_shm()  # workers map theirs at start; they may die first
+        # this actor's threads are the engine's host side (vLLM's client: outputs, detokenizing, the decode channel):
+        # off the cores engines reserve, this one's included; vLLM's own processes keep the cores they started on
+        self.host_cores = start_host_cores(f"engine {self.engine_id} (actor)")
         if self.role is not None:
             # a fresh engine's first forward pass is several seconds slower; pay it here, not in a user's TTFT
             await self.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=2)
@@ -176,7 +183,8 @@ class EngineActor:
         if self.own_cores:
             if self.lease is None:
                 who = f"{self.role} pool" if self.role else ""
-                self.lease = lease_cores(self.own_cores, self.engine_id, self.procs.node_id(), who=who)
+                self.lease = lease_cores(self.own_cores, self.engine_id, self.procs.node_id(), who=who,
+                                         reserved=self.reserve_cores)
             cores = self.lease.cores
             bind = omp_bind(cores, self.tp)
             log.info("engine %s owns cores %s (OpenMP binding %s)", self.engine_id, format_cores(cores), bind)
@@ -434,6 +442,7 @@ def launch_engine_actor(
     label_selector: dict[str, str] | None = None,
     resources: dict[str, float] | None = None,
     own_cores: int = 0,
+    reserve_cores: bool = False,
     **actor_kwargs: Any,
 ) -> tuple[EngineClient, Any]:
     """Create an `EngineActor` and begin its start; returns (its `EngineClient`, ref to the startup seconds).
@@ -442,7 +451,8 @@ def launch_engine_actor(
     which vLLM's worker processes inherit. `label_selector` / `resources`: the Ray nodes it may run on (a pool's
     `placement`). `own_cores`: CPU hosts, cores as devices - the engine takes that many free cores of its node for
     itself (`actors.cores`), and Ray counts them as the actor's CPUs, so that it places the engine only on a node with
-    that many CPUs free; 0: it shares the node's cores with everything else."""
+    that many CPUs free; 0: it shares the node's cores with everything else. `reserve_cores`: the cluster's own
+    processes keep off the cores it takes (`actors.cores.HostCores`)."""
     env = launch_env(tp, extra_env, actor_kwargs.get("role"), actor_kwargs.get("device", "cpu"), engine_kwargs,
                      own_cores)
     options: dict[str, Any] = {"runtime_env": {"env_vars": env}}
@@ -451,6 +461,7 @@ def launch_engine_actor(
     if own_cores:
         options["num_cpus"] = own_cores
         actor_kwargs["own_cores"] = own_cores
+        actor_kwargs["reserve_cores"] = reserve_cores
     if label_selector:
         options["label_selector"] = label_selector
     if resources:

@@ -852,9 +852,10 @@ class HTTPFrontend:
     async def _start(self, settings: FrontendSettings) -> str:
         import uvicorn
 
-        from actors.cores import normal_priority
+        from actors.cores import normal_priority, start_host_cores
 
         normal_priority("HTTP front end")  # every token crosses this process: not at Ray's worker niceness
+        self.host_cores = start_host_cores(f"HTTP front end {self.replica}")  # off the cores decode engines reserve
         coordinator = CoordinatorClient.named(settings.coordinator_name, settings.namespace)
         app, self.client = await build_frontend(settings, coordinator, replica=self.replica)
         bind = bind_host(settings.host)

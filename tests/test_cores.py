@@ -12,7 +12,7 @@ import time
 import pytest
 
 from actors.autoscale import Want, bound_by_cores
-from actors.cores import CoresUnavailable, lease_cores, node_cores
+from actors.cores import CoresUnavailable, HostCores, host_cores, lease_cores, node_cores, reserved_cores
 from cluster.core.config import DeployConfig, DeployError
 from cluster.core.cores import CoreSpecError, format_cores, omp_bind, parse_cores, shared_bind
 from cluster.cli.launch import check_cores
@@ -37,9 +37,9 @@ def test_core_lists_parse_fold_and_split_per_rank():
     assert shared_bind(tuple(range(8)), 4) == "0-1|2-3|4-5|6-7"
 
 
-def _hold(cores: tuple[int, ...], count: int, owner: str, lock_dir: str, ready, took) -> None:
+def _hold(cores: tuple[int, ...], count: int, owner: str, lock_dir: str, ready, took, reserved: bool = False) -> None:
     os.environ["PD_CORE_LOCK_DIR"] = lock_dir
-    lease = lease_cores(count, owner, "node-a", cores=cores)
+    lease = lease_cores(count, owner, "node-a", cores=cores, reserved=reserved)
     took.put(lease.cores)
     ready.set()
     time.sleep(600)  # holds until killed
@@ -81,6 +81,83 @@ def test_a_lease_takes_free_cores_and_a_killed_holder_frees_them(lock_dir):
     finally:
         if holder.is_alive():
             holder.kill()
+
+
+def test_reserved_cores_keep_the_clusters_own_processes_off_until_their_holder_dies(lock_dir):
+    """A decode engine's reserved lease (in another process, as on a node) takes its cores out of `host_cores`; a
+    plain lease does not; when the holder is SIGKILLed its file stays behind, but the kernel dropped the lock and the
+    cores are the host's again. With every core reserved, the host keeps all of them."""
+    node = (0, 1, 2, 3)
+    ctx = multiprocessing.get_context("spawn")
+    ready, took = ctx.Event(), ctx.Queue()
+    holder = ctx.Process(target=_hold, args=(node, 2, "decode-0", lock_dir, ready, took, True))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        assert took.get(timeout=10) == (0, 1)
+        plain = lease_cores(1, "prefill-0", "node-a", cores=node)
+        assert plain.cores == (2,)
+        assert reserved_cores("node-a") == {0, 1}
+        assert host_cores("node-a", node) == (2, 3)  # the prefill engine's core is the host's too
+        assert host_cores("node-a", (0, 1)) == (0, 1)  # everything reserved: run anywhere rather than nowhere
+        assert reserved_cores("node-b") == set()  # each node its own
+        mine = lease_cores(1, "decode-1", "node-a", cores=node, reserved=True)
+        assert mine.cores == (3,) and host_cores("node-a", node) == (2,)
+        with open(os.path.join(lock_dir, "node-a", "core-0")) as f:
+            assert f.readline().startswith("decode-0 (pid")  # what a refusal names: the first line
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(10)
+        assert os.path.exists(os.path.join(lock_dir, "node-a", "core-0"))  # left behind, but nobody holds it
+        assert reserved_cores("node-a") == {3}
+        mine.release()
+        plain.release()
+        assert host_cores("node-a", node) == node
+    finally:
+        if holder.is_alive():
+            holder.kill()
+
+
+def test_host_cores_pins_every_thread_of_the_process_and_follows_the_reservations(lock_dir, monkeypatch):
+    import threading
+
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, daemon=True)  # a thread that exists before the pinning
+    worker.start()
+    pinner = HostCores("node-a", "test", interval_s=0.1)
+
+    def settles(want: set[int]) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if all(os.sched_getaffinity(int(t)) == want for t in os.listdir("/proc/self/task")):
+                return True
+            time.sleep(0.05)
+        return False
+
+    try:
+        lease = lease_cores(1, "decode-0", "node-a", cores=allowed, reserved=True)
+        assert pinner.apply() == allowed[1:]  # at once: every thread, the one started before included
+        assert all(os.sched_getaffinity(int(t)) == set(allowed[1:]) for t in os.listdir("/proc/self/task"))
+        lease.release()
+        monkeypatch.setenv("PD_HOST_CORES", "all")
+        assert not HostCores.enabled() and pinner.start()._thread is None  # turned off: nothing runs
+        monkeypatch.delenv("PD_HOST_CORES")
+        pinner.start()  # the engine left: its core is the host's again
+        assert settles(set(allowed)), os.sched_getaffinity(worker.native_id)
+        later = lease_cores(1, "decode-1", "node-a", cores=allowed[-1:], reserved=True)  # a decode engine joins
+        assert settles(set(allowed[:-1])), os.sched_getaffinity(worker.native_id)
+        later.release()
+        assert settles(set(allowed))
+    finally:
+        pinner.stop()
+        stop.set()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), set(allowed))
+            except OSError:
+                pass
 
 
 def test_node_cores_follow_the_process_and_pd_node_cores(monkeypatch):
@@ -148,3 +225,11 @@ def test_share_cores_and_cores_per_rank_in_the_deploy_file():
     with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND follows the cores"):
         DeployConfig.model_validate({"decode": {"env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}})
     DeployConfig.model_validate({"decode": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}})
+    # reserve_cores: the decode pool's cores by default, the prefill pool's only when asked; shared cores cannot be
+    cfg = DeployConfig.model_validate({})
+    assert (cfg.prefill.reserves_cores("prefill"), cfg.decode.reserves_cores("decode")) == (False, True)
+    cfg = DeployConfig.model_validate({"prefill": {"reserve_cores": True}, "decode": {"reserve_cores": False}})
+    assert (cfg.prefill.reserves_cores("prefill"), cfg.decode.reserves_cores("decode")) == (True, False)
+    assert not DeployConfig.model_validate({"decode": {"share_cores": True}}).decode.reserves_cores("decode")
+    with pytest.raises(ValueError, match="reserve_cores: true needs cores of the pool's own"):
+        DeployConfig.model_validate({"decode": {"share_cores": True, "reserve_cores": True}})

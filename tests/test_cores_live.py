@@ -2,7 +2,8 @@
 deployments, each engine owning a core) - every thread of every vLLM process of an engine runs only on that engine's
 cores, and no two engines share one; a further engine is refused naming the cores and who holds them (so is a
 deployment whose pools cannot all get cores, before anything starts); and the engine Serve starts in place of a
-SIGKILLed one gets the cores the dead one freed, and serves."""
+SIGKILLed one gets the cores the dead one freed, and serves. The cluster's own processes (front end, engine actors)
+keep off the decode engine's core, the replacement's included."""
 
 from __future__ import annotations
 
@@ -83,6 +84,26 @@ def check_own_cores(cluster) -> dict[str, tuple[int, ...]]:
     return owned
 
 
+def check_host_off_decode(cluster, owned: dict[str, tuple[int, ...]]) -> None:
+    """The cluster's own processes - the HTTP front end and both engine actors (vLLM's client side) - run, every
+    thread, on the cores the decode engine does not reserve (here: the prefill engine's), within a few of their
+    checks (`actors.cores.HostCores`, every 5 s)."""
+    pids = {"front end": ray.get(cluster.frontends[0].info.remote(), timeout=30)["pid"]}
+    for role, (engine_id, client) in engines_by_role(cluster).items():
+        pids[f"{engine_id} (actor)"] = ray.get(client.pids(), timeout=30)[0]
+    host = set(owned["prefill"])
+
+    def strays() -> dict[str, dict[int, tuple[int, ...]]]:
+        return {who: bad for who, pid in pids.items()
+                if (bad := {t: c for t, c in thread_affinities(pid).items() if set(c) != host})}
+
+    try:
+        wait_for(lambda: not strays(), 20, poll_s=0.5)
+    except Exception:  # noqa: BLE001 - say which threads, not only that it timed out
+        found = {who: f"{len(bad)} thread(s), e.g. {next(iter(bad.items()))}" for who, bad in strays().items()}
+        pytest.fail(f"threads of the cluster's own processes outside the host cores {sorted(host)}: {found}")
+
+
 def answers_right(cluster) -> None:
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
     for prompt in prompts(seed=11, lengths=(40, 300)):
@@ -94,6 +115,12 @@ def answers_right(cluster) -> None:
 def test_each_engines_processes_run_only_on_cores_of_its_own(served):
     owned = check_own_cores(served)
     assert sorted(owned["prefill"] + owned["decode"]) == [0, 1]
+    answers_right(served)
+
+
+def test_the_clusters_own_processes_keep_off_the_decode_engines_core(served):
+    owned = check_own_cores(served)
+    check_host_off_decode(served, owned)
     answers_right(served)
 
 
@@ -149,4 +176,5 @@ def test_the_engine_that_replaces_a_killed_one_gets_its_freed_cores(served):
     after = check_own_cores(served)
     assert after["decode"] == before["decode"]  # the core the dead engine held, the only one free
     assert after["prefill"] == before["prefill"]
+    check_host_off_decode(served, after)  # the new decode engine reserves the core again
     answers_right(served)

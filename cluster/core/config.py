@@ -116,6 +116,12 @@ class PoolConfig(_Strict):
         "an engine that cannot get them fails naming the cores and who holds them. true - the pool's engines share "
         "every core of their node with everything else (a prefill then slows the decode steps on those cores)")
     cores_per_rank: int = Field(1, ge=1, le=256, description="CPU hosts, share_cores false: cores each TP rank owns")
+    reserve_cores: bool | None = Field(
+        None, description="CPU hosts, share_cores false: the cluster's own processes on the node (HTTP front ends, "
+        "the engine actors' Python side, the coordinator) keep off this pool's cores, as a GPU host's threads stay "
+        "off the GPU, and run on the node's other cores (a prefill engine's included); where engines reserve every "
+        "core they run anywhere. Default: true for the decode pool (a decode step preempted by a token's HTTP "
+        "delivery is a late token for every request in the batch), false for the prefill pool")
     max_num_batched_tokens: int | None = Field(
         None, ge=16, le=1 << 20, description="vLLM's token budget of one engine step (default: vLLM's). On a decode "
         "pool that prefills some requests itself (transfer.local_prefill_speed, local_prefill_queue), a small budget "
@@ -145,6 +151,20 @@ class PoolConfig(_Strict):
             raise ValueError("env: VLLM_CPU_OMP_THREADS_BIND follows the cores each engine is given (share_cores is "
                              "false); set share_cores: true to bind the pool's engines by hand")
         return self
+
+    @model_validator(mode="after")
+    def _reserve_owned_cores(self) -> "PoolConfig":
+        if self.reserve_cores and self.share_cores:
+            raise ValueError("reserve_cores: true needs cores of the pool's own (share_cores: false); a pool that "
+                             "shares every core has none to reserve")
+        return self
+
+    def reserves_cores(self, role: str) -> bool:
+        """Whether the pool's engines keep the cluster's own processes off their cores (`reserve_cores`, by default
+        the decode pool's)."""
+        if self.share_cores:
+            return False
+        return self.reserve_cores if self.reserve_cores is not None else role == "decode"
 
     @property
     def cores_per_engine(self) -> int:
