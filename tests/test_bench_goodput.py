@@ -193,6 +193,13 @@ def test_table_marks_the_baseline_and_gives_ratios_beside_other_targets():
     assert "x)" not in base
     stock, = [ln for ln in lines if ln.startswith("| stock-pd |")]
     assert "timed out after 900 s" in stock and stock.count("|") == lines[0].count("|")
+    # a baseline figure that prints as 0 gets no ratio beside the other targets' (vLLM's ITL p50 of 0.003 ms)
+    for r in rows:
+        if r["target"] == "vllm-tp1":
+            r["p50_itl_ms"] = 0.003
+    cluster, = [ln for ln in table(rows, 2, "vllm-tp1") if ln.startswith("| cluster |")]
+    itl_p50 = cluster.split("|")[8].strip()
+    assert "x)" not in itl_p50 and itl_p50.replace(".", "").isdigit(), cluster
 
 
 def test_a_rate_that_runs_out_of_time_stops_the_higher_ones(monkeypatch):

@@ -338,8 +338,12 @@ def table(rows: list[dict], rate: float, baseline: str | None) -> list[str]:
             if r[k] is None:
                 cells.append("-")
                 continue
-            cell = f"{r[k]:.2f}" if k in ("attainment", "request_goodput", "request_throughput") else f"{r[k]:.1f}"
-            x = ratio(r[k], base[k]) if base is not None and r["target"] != baseline else None
+            digits = 2 if k in ("attainment", "request_goodput", "request_throughput") else 1
+            cell = f"{r[k]:.{digits}f}"
+            # no ratio to a baseline figure that prints as 0 (vLLM's ITL p50 of 0.003 ms where a chunk carries
+            # several tokens): thousands of x say nothing
+            x = ratio(r[k], base[k]) if base is not None and r["target"] != baseline \
+                and base[k] is not None and round(base[k], digits) != 0 else None
             cells.append(cell + (f" ({x:.2f}x)" if x is not None else ""))
         lines.append(f"| {name} | {r['completed']} | {r['failed']} | " + " | ".join(cells) + " |")
     return lines
