@@ -126,9 +126,10 @@ def lease_cores(count: int, owner: str, node_id: str, *, who: str = "",
     return lease
 
 
-def _flocked() -> set[tuple[int, int, int]] | None:
-    """(device major, minor, inode) of every file some process holds an flock on (/proc/locks), or None where the
-    kernel does not say."""
+def _flocked() -> set[int] | None:
+    """The inode of every file some process holds an flock on (/proc/locks), or None where the kernel does not say.
+    Inodes only: the device numbers /proc/locks gives need not be those stat() gives on every filesystem (overlays);
+    a lock file whose inode a lock elsewhere shares at most keeps its core from the host until that lock goes."""
     try:
         with open("/proc/locks") as f:
             lines = f.read().splitlines()
@@ -137,12 +138,11 @@ def _flocked() -> set[tuple[int, int, int]] | None:
     held = set()
     for line in lines:
         parts = line.split()
-        if len(parts) < 6 or parts[1] != "FLOCK" or parts[2] == "->":  # "->": a process waiting for the lock
+        if len(parts) < 6 or parts[1] != "FLOCK":  # "N: -> FLOCK ...": a process waiting for the lock
             continue
         try:
-            major, minor, inode = parts[5].split(":")
-            held.add((int(major, 16), int(minor, 16), int(inode)))
-        except ValueError:
+            held.add(int(parts[5].rsplit(":", 1)[1]))
+        except (ValueError, IndexError):
             continue
     return held
 
@@ -181,8 +181,7 @@ def reserved_cores(node_id: str) -> set[int]:
             continue
         if RESERVED_MARK not in (line.strip() for line in lines[1:]):
             continue
-        alive = ((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in held if held is not None
-                 else _pid_alive(lines[0] if lines else ""))
+        alive = st.st_ino in held if held is not None else _pid_alive(lines[0] if lines else "")
         if alive:
             out.add(int(name[5:]))
     return out

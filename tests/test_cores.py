@@ -83,7 +83,7 @@ def test_a_lease_takes_free_cores_and_a_killed_holder_frees_them(lock_dir):
             holder.kill()
 
 
-def test_reserved_cores_keep_the_clusters_own_processes_off_until_their_holder_dies(lock_dir):
+def test_reserved_cores_keep_the_clusters_own_processes_off_until_their_holder_dies(lock_dir, monkeypatch):
     """A decode engine's reserved lease (in another process, as on a node) takes its cores out of `host_cores`; a
     plain lease does not; when the holder is SIGKILLed its file stays behind, but the kernel dropped the lock and the
     cores are the host's again. With every core reserved, the host keeps all of them."""
@@ -105,10 +105,18 @@ def test_reserved_cores_keep_the_clusters_own_processes_off_until_their_holder_d
         assert mine.cores == (3,) and host_cores("node-a", node) == (2,)
         with open(os.path.join(lock_dir, "node-a", "core-0")) as f:
             assert f.readline().startswith("decode-0 (pid")  # what a refusal names: the first line
+        import actors.cores as ac
+
+        with monkeypatch.context() as m:  # where /proc/locks cannot be read: the holder's pid must be alive
+            m.setattr(ac, "_flocked", lambda: None)
+            assert reserved_cores("node-a") == {0, 1, 3}
         os.kill(holder.pid, signal.SIGKILL)
         holder.join(10)
         assert os.path.exists(os.path.join(lock_dir, "node-a", "core-0"))  # left behind, but nobody holds it
         assert reserved_cores("node-a") == {3}
+        with monkeypatch.context() as m:
+            m.setattr(ac, "_flocked", lambda: None)
+            assert reserved_cores("node-a") == {3}
         mine.release()
         plain.release()
         assert host_cores("node-a", node) == node
