@@ -149,16 +149,10 @@ def _flocked() -> set[int] | None:
 
 def _pid_alive(holder: str) -> bool:
     """Whether the process a lock file's first line names ("owner (pid N)") lives (where /proc/locks is unreadable)."""
+    import psutil
+
     pid = holder.rpartition("(pid ")[2].rstrip(")")
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid.isdigit() and psutil.pid_exists(int(pid))
 
 
 def reserved_cores(node_id: str) -> set[int]:
@@ -176,21 +170,23 @@ def reserved_cores(node_id: str) -> set[int]:
         try:
             with open(path) as f:
                 lines = f.read().splitlines()
-            st = os.stat(path)
+                inode = os.fstat(f.fileno()).st_ino
         except OSError:
             continue
         if RESERVED_MARK not in (line.strip() for line in lines[1:]):
             continue
-        alive = st.st_ino in held if held is not None else _pid_alive(lines[0] if lines else "")
+        alive = inode in held if held is not None else _pid_alive(lines[0] if lines else "")
         if alive:
             out.add(int(name[5:]))
     return out
 
 
-def host_cores(node_id: str, allowed: tuple[int, ...] | set[int]) -> tuple[int, ...]:
+def host_cores(node_id: str, allowed: tuple[int, ...] | set[int],
+               reserved: set[int] | None = None) -> tuple[int, ...]:
     """Where the cluster's own processes run on this node: the cores of `allowed` (the process's own) that no engine
-    holds reserved, or all of `allowed` when engines reserve every one of them (a process must run somewhere)."""
-    reserved = reserved_cores(node_id)
+    holds reserved (`reserved`, read from the node's lock files when not given), or all of `allowed` when engines
+    reserve every one of them (a process must run somewhere)."""
+    reserved = reserved_cores(node_id) if reserved is None else reserved
     free = tuple(sorted(c for c in allowed if c not in reserved))
     return free or tuple(sorted(allowed))
 
@@ -214,7 +210,8 @@ class HostCores:
 
     def apply(self) -> tuple[int, ...]:
         """Pin every thread of this process to the host cores now; returns them."""
-        cores = host_cores(self.node_id, self.allowed)
+        reserved = reserved_cores(self.node_id)
+        cores = host_cores(self.node_id, self.allowed, reserved)
         want = set(cores)
         for tid in os.listdir("/proc/self/task"):
             try:
@@ -227,7 +224,7 @@ class HostCores:
 
             logging.getLogger("pd.cores").info("%s runs on cores %s (engines reserve %s)", self.who,
                                                format_cores(cores),
-                                               format_cores(sorted(set(self.allowed) - want)) or "none")
+                                               format_cores(sorted(reserved & set(self.allowed))) or "none")
             self.cores = cores
         return cores
 

@@ -151,11 +151,14 @@ def test_placement_and_env_reach_the_engines(tmp_path):
     # to the cores it gets (tests/test_cores_live.py), one that shares them as vLLM's mp executor binds a worker
     assert prefill["vllm_args"]["distributed_executor_backend"] == "uni"
     assert (prefill["own_cores"], decode["own_cores"]) == (1, 2)
+    assert (prefill["reserve_cores"], decode["reserve_cores"]) == (False, True)  # the host keeps off decode's cores
     assert prefill["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert not {"VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY"} & prefill["env"].keys()
     shared = engine_launch(DeployConfig.model_validate({"prefill": {"share_cores": True}}), "prefill", str(tmp_path),
                            "prefill-0")
     assert shared["own_cores"] == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in shared["env"]  # its node's cores, at start
+    assert engine_launch(DeployConfig.model_validate({"decode": {"share_cores": True}}), "decode", str(tmp_path),
+                         "decode-0")["reserve_cores"] is False  # shared cores are nobody's to reserve
     named = engine_launch(DeployConfig.model_validate({"prefill": {"share_cores": True, "env": {
         "VLLM_CPU_OMP_THREADS_BIND": "0-1"}}}), "prefill", str(tmp_path), "prefill-0")
     assert {k: named["env"][k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY")} == {

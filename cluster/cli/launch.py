@@ -314,9 +314,8 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
     if block_size is not None:
         engine_kwargs["block_size"] = block_size
         check_local_prefill_budget(cfg, role, block_size)
-    owned = {"own_cores": pool.cores_per_engine, "reserve_cores": True} if pool.reserves_cores(role) else \
-        {"own_cores": pool.cores_per_engine}
-    return {"extra_env": {**env, **pool.env}, "engine_kwargs": engine_kwargs, **owned, **placement}
+    return {"extra_env": {**env, **pool.env}, "engine_kwargs": engine_kwargs, "own_cores": pool.cores_per_engine,
+            "reserve_cores": pool.reserves_cores(role), **placement}
 
 
 def check_local_prefill_budget(cfg: DeployConfig, role: str, block_size: int) -> None:
