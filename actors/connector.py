@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.logger import init_logger
 
+from actors.core_lending import borrower
 from actors.engine_report import report_from_vllm
 from actors.nixl_setup import install_progress_delay
 from cluster.core.planner import PairPlan, RequestPlan, address_rows, plan_request
@@ -382,6 +383,12 @@ class PlannedPullWorker(NixlPullConnectorWorker):
     def pd_stats(self) -> list[dict[str, Any]]:
         done, self._pd_done = self._pd_done, []
         return done
+
+    def pd_borrowed(self) -> dict[str, Any] | None:
+        """Core lending in this process (actors.core_lending): its own and borrowable cores, steps run and steps that
+        borrowed; None where the engine does not borrow."""
+        b = borrower()
+        return b.stats() if b is not None else None
 
     def pd_pending_sends(self) -> list[str]:
         """Prefill side: requests whose blocks are still held for a decode engine to read."""
@@ -751,6 +758,15 @@ class NixlConnector(NixlPullConnector):
             self.connector_scheduler = None
             self.connector_worker = PlannedPullWorker(vllm_config, self.engine_id, kv_cache_config)
 
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        # the end of the scheduler's step, before the model runner builds its inputs: a borrowing engine sizes its
+        # OpenMP team for this step here (actors.core_lending; an in-process TP 1 engine, whose EngineCore thread
+        # schedules and runs each step)
+        borrowing = borrower()
+        if borrowing is not None:  # prompts finished last step (vLLM's pull scheduler: blocks held for their reads)
+            borrowing.before_step(handing_off=bool(getattr(self.connector_scheduler, "_reqs_need_send", None)))
+        return super().build_connector_meta(scheduler_output)
+
 
 class PDWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`) so that the engine actor can reach the connector with
@@ -777,7 +793,7 @@ class PDWorkerExtension:
             return {"error": f"{type(e).__name__}: {e}"}
 
 
-PD_METHODS = frozenset({"pd_registration", "pd_install_pair", "pd_remove_pair", "pd_stats", "pd_release",
+PD_METHODS = frozenset({"pd_borrowed", "pd_registration", "pd_install_pair", "pd_remove_pair", "pd_stats", "pd_release",
                         "pd_pending_sends", "pd_remote_agents", "pd_nixl_knows", "pd_set_verify", "pd_verify_poll",
                         "pd_verify_done", "pd_checksums", "pd_plant_corruption", "pd_corrupt_next_read",
                         "pd_set_handshake_delay", "pd_delayed_handshakes", "pd_stale_handshakes"})

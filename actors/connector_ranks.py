@@ -55,6 +55,11 @@ class ConnectorRanks:
         """Per rank, which of these prefill-side requests it freed the blocks of."""
         return await self._all("release", list(request_ids))
 
+    async def borrowed(self) -> list[dict[str, Any] | None]:
+        """Per rank, its core lending (actors.core_lending): steps run and steps that borrowed; None: it does not
+        borrow."""
+        return await self._all("borrowed")
+
     async def pending_sends(self) -> list[list[str]]:
         """Per rank, prefill-side requests whose blocks still wait for a decode engine's read."""
         return await self._all("pending_sends")

@@ -155,16 +155,15 @@ def _pid_alive(holder: str) -> bool:
     return pid.isdigit() and psutil.pid_exists(int(pid))
 
 
-def reserved_cores(node_id: str) -> set[int]:
-    """The cores of this node that engines hold now with `reserved`: each lock file that says so and that a live
-    process holds an flock on (a holder that died leaves its file behind, but the kernel dropped its lock)."""
-    where = lock_dir(node_id)
+def _held_lock_files(where: str) -> dict[int, list[str]]:
+    """{core: its lock file's lines} for each lock file in `where` that a live process holds an flock on (a holder
+    that died leaves its file behind, but the kernel dropped its lock)."""
     try:
         names = [n for n in os.listdir(where) if n.startswith("core-") and n[5:].isdigit()]
     except FileNotFoundError:
-        return set()
+        return {}
     held = _flocked()
-    out = set()
+    out = {}
     for name in names:
         path = os.path.join(where, name)
         try:
@@ -173,12 +172,21 @@ def reserved_cores(node_id: str) -> set[int]:
                 inode = os.fstat(f.fileno()).st_ino
         except OSError:
             continue
-        if RESERVED_MARK not in (line.strip() for line in lines[1:]):
-            continue
         alive = inode in held if held is not None else _pid_alive(lines[0] if lines else "")
         if alive:
-            out.add(int(name[5:]))
+            out[int(name[5:])] = lines
     return out
+
+
+def held_cores(where: str) -> set[int]:
+    """The cores whose lock files in directory `where` live engines hold now."""
+    return set(_held_lock_files(where))
+
+
+def reserved_cores(node_id: str) -> set[int]:
+    """The cores of this node that engines hold now with `reserved`."""
+    return {core for core, lines in _held_lock_files(lock_dir(node_id)).items()
+            if RESERVED_MARK in (line.strip() for line in lines[1:])}
 
 
 def host_cores(node_id: str, allowed: tuple[int, ...] | set[int],

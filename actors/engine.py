@@ -44,8 +44,9 @@ from typing import Any
 import psutil
 import ray
 
-from actors.cores import (HostCores, bind_this_thread, lease_cores, node_cores, normal_priority, start_host_cores,
-                          thread_affinities, unbind_thread)
+from actors.core_lending import CoreLender, borrow_env
+from actors.cores import (HostCores, bind_this_thread, lease_cores, lock_dir, node_cores, normal_priority,
+                          start_host_cores, thread_affinities, unbind_thread)
 from actors.connector_ranks import ConnectorRanks
 from actors.engine_client import (CHANNEL_BACKLOG, ENGINE_PREFIX, Busy, EngineClient, Health, Leftovers, Load,
                                   Prefilled, Registration)
@@ -86,6 +87,7 @@ class EngineActor:
         device: str = "cpu",
         own_cores: int = 0,
         reserve_cores: bool = False,
+        borrow_cores: bool = False,
     ) -> None:
         self.model_dir = str(model_dir)
         self.tp = tp
@@ -94,6 +96,9 @@ class EngineActor:
         self.lease = None  # actors.cores.CoreLease once taken
         self.reserve_cores = reserve_cores  # the cluster's own processes keep off its cores (actors.cores.HostCores)
         self.host_cores: HostCores | None = None  # this actor's own threads: off the reserved cores, once started
+        self.borrow_cores = borrow_cores  # its steps also run on idle engines' cores (actors.core_lending)
+        self.lender: CoreLender | None = None  # its cores' busy bytes, once it owns cores
+        self.spawn_cores: tuple[int, ...] = ()  # where its vLLM processes start, when not its own cores (borrowing)
         self.role, self.served_model = role, served_model
         self.engine_id = engine_id or f"{role or 'engine'}-{uuid.uuid4().hex[:8]}"
         self.kwargs = vllm_engine_args(self.model_dir, tp, max_model_len=max_model_len, dtype=dtype,
@@ -138,7 +143,10 @@ class EngineActor:
             # threads it starts in this actor (vLLM's client side: output handling, sockets) go back to the
             # actor's cores afterwards, like the rest of the control plane
             before = set(thread_affinities(os.getpid()))
-            bind_this_thread(cores)
+            # a borrowing engine's process starts on the cores it may borrow too: libgomp spins only when it may
+            # run its threads on as many cores as it has threads, and pins its own threads (the main one to the
+            # engine's first core) as it starts
+            bind_this_thread(self.spawn_cores or cores)
             try:
                 return AsyncLLM.from_engine_args(args)
             finally:
@@ -167,6 +175,9 @@ class EngineActor:
             self.prefixes.start(self.live.required().vllm_config, total_blocks, [g["kind"] for g in groups])
             self.progress = ProgressWatch(self.engine_id, self.meter.free_blocks)
             self.progress.start()
+        if self.lender is not None:  # its cores are lent while it has nothing in flight (actors.core_lending)
+            self.meter.lender = self.lender
+            self.lender.ready(self.meter.in_flight)
         self.startup_s = time.monotonic() - t0
         return self.startup_s
 
@@ -188,21 +199,41 @@ class EngineActor:
             cores = self.lease.cores
             bind = omp_bind(cores, self.tp)
             log.info("engine %s owns cores %s (OpenMP binding %s)", self.engine_id, format_cores(cores), bind)
+            if self.lender is None:
+                self.lender = CoreLender(lock_dir(self.procs.node_id()), cores)
         else:
             bind = shared_bind(node_cores(), self.tp)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         if in_process_model(self.tp, self.device, self.kwargs):
             os.environ.update(in_process_env(bind))
+            others = tuple(c for c in node_cores() if c not in cores)
+            if self.borrow_cores and cores and others:
+                os.environ.update(borrow_env(lock_dir(self.procs.node_id()), cores, others))
+                # its OpenMP threads spin a moment between parallel regions instead of sleeping (GOMP_SPINCOUNT):
+                # two threads that sleep between a step's hundreds of small regions ran slower than one
+                os.environ.pop("OMP_WAIT_POLICY", None)
+                self.spawn_cores = cores + others
+        elif self.borrow_cores:
+            log.warning("engine %s: borrow_idle_cores needs an in-process TP 1 engine; this one runs on its own "
+                        "cores only", self.engine_id)
         return cores
 
     def cores(self) -> tuple[int, ...]:
         """The cores this engine owns; () when it shares its node's cores."""
         return self.lease.cores if self.lease is not None else ()
 
+    async def borrowed(self) -> dict[str, Any] | None:
+        """Core lending (`actors.core_lending`): the steps this engine ran and those that also ran on idle engines'
+        cores; None where it does not borrow."""
+        return (await self.ranks.borrowed())[0]
+
     async def shutdown(self, timeout_s: float = 30.0) -> list[str]:
         """`EngineProcesses.shutdown`, then the engine's cores are free for the next engine."""
         if self.progress is not None:
             self.progress.stop()
+        if self.lender is not None:
+            self.meter.lender = None
+            self.lender.close()
         try:
             return await self.procs.shutdown(timeout_s)
         finally:
@@ -443,6 +474,7 @@ def launch_engine_actor(
     resources: dict[str, float] | None = None,
     own_cores: int = 0,
     reserve_cores: bool = False,
+    borrow_cores: bool = False,
     **actor_kwargs: Any,
 ) -> tuple[EngineClient, Any]:
     """Create an `EngineActor` and begin its start; returns (its `EngineClient`, ref to the startup seconds).
@@ -452,7 +484,8 @@ def launch_engine_actor(
     `placement`). `own_cores`: CPU hosts, cores as devices - the engine takes that many free cores of its node for
     itself (`actors.cores`), and Ray counts them as the actor's CPUs, so that it places the engine only on a node with
     that many CPUs free; 0: it shares the node's cores with everything else. `reserve_cores`: the cluster's own
-    processes keep off the cores it takes (`actors.cores.HostCores`)."""
+    processes keep off the cores it takes (`actors.cores.HostCores`). `borrow_cores`: a TP 1 engine's steps also run
+    on its node's idle engines' cores (`actors.core_lending`)."""
     env = launch_env(tp, extra_env, actor_kwargs.get("role"), actor_kwargs.get("device", "cpu"), engine_kwargs,
                      own_cores)
     options: dict[str, Any] = {"runtime_env": {"env_vars": env}}
@@ -462,6 +495,7 @@ def launch_engine_actor(
         options["num_cpus"] = own_cores
         actor_kwargs["own_cores"] = own_cores
         actor_kwargs["reserve_cores"] = reserve_cores
+        actor_kwargs["borrow_cores"] = borrow_cores
     if label_selector:
         options["label_selector"] = label_selector
     if resources:

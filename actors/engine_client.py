@@ -357,6 +357,11 @@ class EngineClient:
         """Prefill side: free the state held for requests no decode engine will read; the ids freed."""
         return self.handle.release.remote(list(remote_request_ids))
 
+    def borrowed(self) -> "ObjectRef[dict[str, Any] | None]":
+        """Core lending: the engine's steps and those that also ran on idle engines' cores (None: it does not
+        borrow)."""
+        return self.handle.borrowed.remote()
+
     def pending_sends(self, wait_s: float = 5.0) -> "ObjectRef[list[str]]":
         """Prefill side: requests whose state is still held for a decode engine (after waiting up to `wait_s`)."""
         return self.handle.pending_sends.remote(wait_s)

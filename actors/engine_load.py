@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 
+from actors.core_lending import CoreLender
 from actors.engine_client import Busy, Load
 from actors.engine_procs import LiveEngine
 
@@ -38,6 +39,7 @@ class EngineLoad:
         # wall time this engine first served a request: a prefill engine's first prefill done, a decode engine's first
         # tokens out (engine warm-up excluded)
         self._first_served_at: float | None = None
+        self.lender: CoreLender | None = None  # told each change of the requests in flight (actors.core_lending)
 
     # ---- what the serving component reports -------------------------------------------------------------------------
     def refuse_if_draining(self) -> None:
@@ -49,18 +51,31 @@ class EngineLoad:
         self._prefills += 1
         self._prefill_tokens += tokens
         self._queued_tokens += uncached
+        self._lend()
 
     def prefill_done(self, tokens: int, uncached: int) -> None:
         """The prefill `prefill_started` counted has ended (done or failed)."""
         self._prefills -= 1
         self._prefill_tokens -= tokens
         self._queued_tokens -= uncached
+        self._lend()
 
     def decode_started(self) -> None:
         self._decodes += 1
+        self._lend()
 
     def decode_done(self) -> None:
         self._decodes -= 1
+        self._lend()
+
+    def _lend(self) -> None:
+        if self.lender is not None:
+            self.lender.set_in_flight(self.in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        """Prefills and decodes running here (every front end's)."""
+        return self._prefills + self._decodes
 
     def served(self) -> None:
         """A request was served (a prefill done, a decode's tokens out): the first one's time is kept."""

@@ -7,6 +7,7 @@ keep off the decode engine's core, the replacement's included."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import openai
@@ -65,19 +66,32 @@ def vllm_processes(client) -> list[int]:
     return out
 
 
+def lent_threads(pid: int, lent: set[int]) -> dict[int, int]:
+    """{tid: core} of process `pid`'s threads pinned each to one core of `lent`: a borrowing engine's OpenMP team
+    threads on the cores it borrows (`actors.core_lending`)."""
+    return {tid: c[0] for tid, c in thread_affinities(pid).items() if len(c) == 1 and c[0] in lent}
+
+
 def check_own_cores(cluster) -> dict[str, tuple[int, ...]]:
-    """Every thread of every vLLM process of each engine runs only on that engine's cores; the engines' cores are
-    disjoint. Returns {role: cores}."""
+    """Every thread of every vLLM process of each engine runs only on that engine's cores - but a borrowing engine's
+    OpenMP team threads, one on each core it may borrow, pinned there (what they do is
+    `test_the_prefill_engine_borrows_the_idle_decode_core_and_only_then`'s); the engines' cores are disjoint. Returns
+    {role: cores}."""
     owned = {}
     for role, (engine_id, client) in engines_by_role(cluster).items():
         cores = tuple(ray.get(client.cores(), timeout=30))
         assert len(cores) == 1, f"{engine_id} (TP 1) owns {cores}"
+        borrowing = ray.get(client.borrowed(), timeout=30)
+        assert (borrowing is not None) == (role == "prefill"), (engine_id, borrowing)  # the default: prefill only
+        lent = set(borrowing["others"]) if borrowing else set()
         procs = vllm_processes(client)
         assert procs, f"{engine_id} has no vLLM process"
         for pid in procs:
             threads = thread_affinities(pid)
             assert len(threads) > 5, (engine_id, pid, threads)  # OpenMP, gloo, NIXL, zmq threads...
-            strays = {tid: c for tid, c in threads.items() if not set(c) <= set(cores)}
+            team = lent_threads(pid, lent)
+            assert len(team) <= len(lent), (engine_id, team)
+            strays = {tid: c for tid, c in threads.items() if not set(c) <= set(cores) and tid not in team}
             assert not strays, f"{engine_id} owns {cores} but threads of its process {pid} may run on {strays}"
         owned[role] = cores
     assert not set(owned["prefill"]) & set(owned["decode"]), owned
@@ -122,6 +136,66 @@ def test_the_clusters_own_processes_keep_off_the_decode_engines_core(served):
     owned = check_own_cores(served)
     check_host_off_decode(served, owned)
     answers_right(served)
+
+
+def cpu_seconds(pid: int, tids) -> float:
+    total = 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def test_the_prefill_engine_borrows_the_idle_decode_core_and_only_then(served):
+    """Core lending, live: at concurrency 1 each prompt's prefill steps run on the prefill engine's core and the
+    idle decode engine's (the OpenMP thread pinned there does work); while the decode engine has a request in flight
+    no prefill step borrows, and that thread stays idle. The answers are the model's either way."""
+    roles = engines_by_role(served)
+    _, prefill = roles["prefill"]
+    decode_core = tuple(ray.get(roles["decode"][1].cores(), timeout=30))
+    (pid,) = vllm_processes(prefill)
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = prompts(seed=13, lengths=(500, 600, 700))
+
+    def borrowed() -> dict:
+        return ray.get(prefill.borrowed(), timeout=30)
+
+    def one(prompt: list[int], n: int = 8) -> list[int]:
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+        return got.choices[0].token_ids
+
+    for prompt in ask:  # settle: the decode engine idle between requests
+        assert one(prompt) == oracle(prompt, 8)
+    before = borrowed()
+    assert before["others"] == list(decode_core), before
+    for prompt in ask:
+        assert one(prompt) == oracle(prompt, 8)
+    after = borrowed()
+    team = lent_threads(pid, set(decode_core))
+    assert len(team) == 1, team
+    assert after["borrowed_steps"] - before["borrowed_steps"] >= len(ask), (before, after)
+
+    # a request decoding: the decode engine is busy until it ends
+    stream = client.completions.create(model=MODEL, prompt=[1] + [7] * 40, max_tokens=600, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(4):
+        next(chunks)
+    during, cpu0 = borrowed(), cpu_seconds(pid, team)
+    for prompt in ask:
+        assert one(prompt, 4) == oracle(prompt, 4)
+    end, cpu1 = borrowed(), cpu_seconds(pid, team)
+    rest = [c for c in chunks]
+    assert rest and rest[-1].choices[0].finish_reason == "length"
+    assert len(rest) > 100, "the long request ended before the others were asked: the window proves nothing"
+    assert end["steps"] - during["steps"] >= len(ask), (during, end)
+    assert end["borrowed_steps"] == during["borrowed_steps"], (during, end)
+    assert cpu1 - cpu0 < 0.05, (cpu0, cpu1)
 
 
 @ray.remote(num_cpus=0)

@@ -315,7 +315,7 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
         engine_kwargs["block_size"] = block_size
         check_local_prefill_budget(cfg, role, block_size)
     return {"extra_env": {**env, **pool.env}, "engine_kwargs": engine_kwargs, "own_cores": pool.cores_per_engine,
-            "reserve_cores": pool.reserves_cores(role), **placement}
+            "reserve_cores": pool.reserves_cores(role), "borrow_cores": pool.borrows_cores(role), **placement}
 
 
 def check_local_prefill_budget(cfg: DeployConfig, role: str, block_size: int) -> None:
@@ -427,6 +427,7 @@ def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) 
         "num_gpus": opts.get("num_gpus", 0),
         "own_cores": opts.get("own_cores", 0),
         "reserve_cores": opts.get("reserve_cores", False),
+        "borrow_cores": opts.get("borrow_cores", False),
         "label_selector": opts.get("label_selector", {}),
         "resources": opts.get("resources", {}),
         "vllm_args": vllm_engine_args(spec.model_dir, spec.tp, max_model_len=spec.max_model_len, dtype=spec.dtype,

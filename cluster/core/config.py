@@ -122,6 +122,12 @@ class PoolConfig(_Strict):
         "off the GPU, and run on the node's other cores (a prefill engine's included); where engines reserve every "
         "core they run anywhere. Default: true for the decode pool (a decode step preempted by a token's HTTP "
         "delivery is a late token for every request in the batch), false for the prefill pool")
+    borrow_idle_cores: bool | None = Field(
+        None, description="CPU hosts, share_cores false, tp 1: the pool's engines run each step on their own cores "
+        "plus the node's cores whose engines have nothing in flight (core lending: at concurrency 1 a prompt is "
+        "prefilled on the idle decode engine's core too); the moment such an engine has a request again, the next "
+        "step runs on the engine's own cores only. Default: true for the prefill pool where it can be (tp 1, "
+        "share_cores false), false for the decode pool")
     max_num_batched_tokens: int | None = Field(
         None, ge=16, le=1 << 20, description="vLLM's token budget of one engine step (default: vLLM's). On a decode "
         "pool that prefills some requests itself (transfer.local_prefill_speed, local_prefill_queue), a small budget "
@@ -158,6 +164,23 @@ class PoolConfig(_Strict):
             raise ValueError("reserve_cores: true needs cores of the pool's own (share_cores: false); a pool that "
                              "shares every core has none to reserve")
         return self
+
+    @model_validator(mode="after")
+    def _borrow_needs_own_cores(self) -> "PoolConfig":
+        if self.borrow_idle_cores and self.share_cores:
+            raise ValueError("borrow_idle_cores: true needs cores of the pool's own (share_cores: false); a pool that "
+                             "shares every core has nothing to borrow")
+        if self.borrow_idle_cores and self.tp != 1:
+            raise ValueError(f"borrow_idle_cores: true needs tp: 1 (this pool has tp: {self.tp}): a TP 1 engine runs "
+                             "its model in one process, whose thread count can follow the idle cores step by step")
+        return self
+
+    def borrows_cores(self, role: str) -> bool:
+        """Whether the pool's engines borrow idle engines' cores for their steps (`borrow_idle_cores`, by default
+        the prefill pool's where it owns its cores at tp 1)."""
+        if self.borrow_idle_cores is not None:
+            return self.borrow_idle_cores
+        return role == "prefill" and not self.share_cores and self.tp == 1
 
     def reserves_cores(self, role: str) -> bool:
         """Whether the pool's engines keep the cluster's own processes off their cores (`reserve_cores`, by default

@@ -108,14 +108,16 @@ def _measure(name: str, url: str, model: str, model_dir: str, loads: list[tuple[
 def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, output_len: int,
                   prefix_caching: bool = False, local_prefill_queue: int | None = None,
                   local_prefill_when_idle: bool = False, share_cores: bool = False,
-                  local_prefill_speed: float | None = None, decode_budget: int | None = None) -> list[dict]:
+                  local_prefill_speed: float | None = None, decode_budget: int | None = None,
+                  borrow: bool = True) -> list[dict]:
     from actors.engine_settings import free_port
     from cluster.cli.bench.targets import local_cluster
     from cluster.core.config import DeployConfig
 
     cfg = DeployConfig.model_validate({
         "model": {"path": model_dir, "name": "tiny-hybrid"},
-        "prefill": {"tp": p_tp, "enable_prefix_caching": prefix_caching, "share_cores": share_cores},
+        "prefill": {"tp": p_tp, "enable_prefix_caching": prefix_caching, "share_cores": share_cores,
+                    "borrow_idle_cores": None if borrow else False},
         "decode": {"tp": d_tp, "enable_prefix_caching": prefix_caching, "share_cores": share_cores,
                    "max_num_batched_tokens": decode_budget},
         "coordinator": {"name": "coordinator-bench-serve", "namespace": "pd-bench-serve"},
@@ -323,14 +325,15 @@ def main(args: Any) -> int:
           f"speed {'off' if speed is None else speed} (decode step budget {budget_said}), its local "
           f"prefill queue {'off' if args.local_prefill_queue is None else args.local_prefill_queue}, its local prefill when "
           f"idle {args.local_prefill_when_idle}, its engines {'sharing' if share else 'each on'} cores "
-          f"{'' if share else 'of its own '}({len(os.sched_getaffinity(0))} here); targets "
+          f"{'' if share else 'of its own '}({len(os.sched_getaffinity(0))} here), its prefill engine borrowing idle "
+          f"cores {args.borrow_idle_cores}; targets "
           f"{', '.join(targets)}; {args.rounds} round(s)", flush=True)
     for rnd, target in round_order(targets, args.rounds):
         print(f"round {rnd}/{args.rounds}: {target}", flush=True)
         if target == "cluster":
             got = bench_cluster(model_dir, args.prefill_tp, args.decode_tp, loads, args.input_len, args.output_len,
                                 caching, args.local_prefill_queue, args.local_prefill_when_idle == "on", share,
-                                speed, budget)
+                                speed, budget, args.borrow_idle_cores == "on")
         elif target.startswith("vllm-tp"):
             got = bench_vllm_server(model_dir, int(target.removeprefix("vllm-tp")), loads, args.input_len,
                                     args.output_len, logs, caching)
@@ -354,6 +357,7 @@ def main(args: Any) -> int:
                                 "local_prefill_queue": args.local_prefill_queue, "local_prefill_speed": speed,
                                 "decode_max_num_batched_tokens": budget,
                                 "local_prefill_when_idle": args.local_prefill_when_idle, "rounds": args.rounds,
+                                "borrow_idle_cores": args.borrow_idle_cores,
                                 "share_cores": share, "vllm_tp": args.vllm_tp, "cores": len(os.sched_getaffinity(0)),
                                 "summary": summary, "targets": checks, "rows": rows}, indent=2))
     plot(summary, path.with_suffix(".png"))
@@ -435,6 +439,9 @@ def add_args(p: Any) -> None:
     p.add_argument("--local-prefill-when-idle", choices=("off", "on"), default="off", help="the cluster's "
                    "transfer.local_prefill_when_idle (default off, as deploy.yaml: a decode engine with no request in "
                    "flight, nor one in prefill headed for it, prefills the next one itself)")
+    p.add_argument("--borrow-idle-cores", choices=("on", "off"), default="on", help="the cluster's "
+                   "prefill.borrow_idle_cores (default on, as deploy.yaml leaves it: the prefill engine's steps also run "
+                   "on the decode engine's core while that engine has nothing in flight)")
     p.add_argument("--targets", default="cluster,vllm,stock-pd")
     p.add_argument("--rounds", type=_positive, default=3, help="rounds of the cluster and vLLM's server, restarted "
                    "each round and alternating which goes first; figures are medians over rounds, ratios the median of "
