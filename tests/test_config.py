@@ -33,6 +33,16 @@ def test_default_deployment_is_the_embedded_one():
     assert showcase.prefill.share_cores and showcase.decode.share_cores
     assert cfg.http.host == "127.0.0.1" and cfg.http.api_key is None
     assert DeployConfig().http.host == "127.0.0.1"  # loopback also when the file says nothing
+    # the decode engine reserves its core, the prefill engine borrows it while it is idle: defaults that follow the
+    # layout, so that the file still loads with its pools' cores shared (tests and benchmarks flip share_cores; a
+    # field set to true in the file would refuse that)
+    assert cfg.decode.reserves_cores("decode") and not cfg.prefill.reserves_cores("prefill")
+    assert cfg.prefill.borrows_cores("prefill") and not cfg.decode.borrows_cores("decode")
+    data = yaml.safe_load((ROOT / "deploy.yaml").read_text())
+    for role in ("prefill", "decode"):
+        data[role]["share_cores"] = True
+    shared = DeployConfig.model_validate(data)
+    assert not shared.decode.reserves_cores("decode") and not shared.prefill.borrows_cores("prefill")
 
 
 def gpu_example(tmp_path: Path):
