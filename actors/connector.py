@@ -746,6 +746,20 @@ class FirstTokenScheduler(NixlPullConnectorScheduler):
         super()._truncate_request_for_prefill(request)
 
 
+def size_team_for_step(meta: Any, scheduler_output: Any) -> None:
+    """Core lending's per-step hook (`CoreBorrower.before_step`): the metadata's `reqs_to_send` are the prompts the
+    last step finished, whose decode engines are about to start them. Lending is an optimisation: a failure turns it
+    off, the team back at the engine's own cores, rather than failing the step."""
+    borrowing = borrower()
+    if borrowing is None or borrowing.failed:
+        return
+    try:
+        borrowing.before_step(handing_off=bool(getattr(meta, "reqs_to_send", None)),
+                              computes=scheduler_output.total_num_scheduled_tokens > 0)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        borrowing.fail(e)
+
+
 class NixlConnector(NixlPullConnector):
     """Stock pull connector whose worker is `PlannedPullWorker` and whose scheduler is `FirstTokenScheduler`."""
 
@@ -762,10 +776,9 @@ class NixlConnector(NixlPullConnector):
         # the end of the scheduler's step, before the model runner builds its inputs: a borrowing engine sizes its
         # OpenMP team for this step here (actors.core_lending; an in-process TP 1 engine, whose EngineCore thread
         # schedules and runs each step)
-        borrowing = borrower()
-        if borrowing is not None:  # prompts finished last step (vLLM's pull scheduler: blocks held for their reads)
-            borrowing.before_step(handing_off=bool(getattr(self.connector_scheduler, "_reqs_need_send", None)))
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        size_team_for_step(meta, scheduler_output)
+        return meta
 
 
 class PDWorkerExtension:

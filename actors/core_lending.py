@@ -16,8 +16,10 @@ the OpenMP team to its own cores plus the leading run of the listed other cores 
 team thread i on the i-th listed core and leaves it there, so no thread of the team runs on a core whose engine is
 busy. The size is set before vLLM builds the step's inputs (its CPU attention splits work by the team size) and in
 the thread that runs the model (an in-process TP 1 engine: EngineCore's main thread schedules and runs each step).
-A core is lent only while a live engine holds its lock (re-read every second) and its byte says idle; a core no
-engine holds is not borrowed (the cluster's own processes run there, and a new engine may take it).
+A core is lent only while a live engine holds its lock (re-read every second: a core freed by an engine that died
+idle may be borrowed for up to a second, while nobody uses it) and its byte says idle; a core no engine holds is not
+borrowed (the cluster's own processes run there, and a new engine may take it), and neither is any listed after it.
+Nothing claims a lent core: two borrowers on one node may both take it, each then with half of it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ class CoreLender:
     them; `close` marks them busy again (the engine is stopping)."""
 
     def __init__(self, where: str, cores: tuple[int, ...]) -> None:
-        self.cores = cores
         self._fds = [os.open(busy_path(where, c), os.O_RDWR | os.O_CREAT, 0o644) for c in cores]
         self._ready = False
         self._idle = False
@@ -110,6 +111,7 @@ class CoreBorrower:
     _held: set[int] = field(default_factory=set)
     _held_at: float = float("-inf")
     _handoff_at: float = float("-inf")
+    failed: str | None = None  # why borrowing stopped for good in this process (None: it goes on)
 
     @classmethod
     def from_env(cls) -> "CoreBorrower | None":
@@ -146,12 +148,15 @@ class CoreBorrower:
                 return BUSY
         return os.pread(fd, 1, 0)
 
-    def before_step(self, handing_off: bool = False) -> int:
+    def before_step(self, handing_off: bool = False, computes: bool = True) -> int:
         """Size the OpenMP team for the next step; returns its size. `handing_off`: the last step finished prompts
-        whose decode engines are about to start them (no borrowing for `HANDOFF_S`)."""
+        whose decode engines are about to start them (no borrowing for `HANDOFF_S`). `computes`: the step runs the
+        model (one that does not - blocks waiting for a decode engine's read - leaves the team as it is)."""
         now = time.monotonic()
         if handing_off:
             self._handoff_at = now
+        if not computes:
+            return self.threads
         lent = self._lent() if now - self._handoff_at >= HANDOFF_S else 0
         want = len(self.own) + lent
         if want != self.threads:
@@ -163,9 +168,21 @@ class CoreBorrower:
             self.borrowed_cores += lent
         return want
 
+    def fail(self, error: BaseException) -> None:
+        """Stop borrowing for good: the team back at the engine's own cores (if even that fails, as it is)."""
+        self.failed = f"{type(error).__name__}: {error}"
+        log.warning("core borrowing off for this engine: %s", self.failed)
+        try:
+            if self.threads != len(self.own):
+                self.set_threads(len(self.own))
+                self.threads = len(self.own)
+        except Exception:  # noqa: BLE001 - nothing more to do
+            pass
+
     def stats(self) -> dict[str, object]:
         return {"own": list(self.own), "others": list(self.others), "steps": self.steps,
-                "borrowed_steps": self.borrowed_steps, "borrowed_cores": self.borrowed_cores, "threads": self.threads}
+                "borrowed_steps": self.borrowed_steps, "borrowed_cores": self.borrowed_cores, "threads": self.threads,
+                "failed": self.failed}
 
 
 _BORROWER: CoreBorrower | None = None

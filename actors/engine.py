@@ -266,8 +266,9 @@ class EngineActor:
         )
         request = {"prompt": prompt} if prompt is not None else {"prompt_token_ids": list(prompt_token_ids)}
         final = None
-        async for output in engine.generate(request, params, request_id=uuid.uuid4().hex):
-            final = output
+        with self.meter.direct_request():  # in flight for core lending; not the routers' load
+            async for output in engine.generate(request, params, request_id=uuid.uuid4().hex):
+                final = output
         completion = final.outputs[0]
         result: dict[str, Any] = {
             "token_ids": list(completion.token_ids),

@@ -1,14 +1,17 @@
 """An engine actor's load and draining (`EngineLoad`, the `EngineActor`'s component that owns them): what the pools'
 autoscaling reads (`Load`), what keeps a draining engine from leaving (`Busy`), the refusal of new requests while it
 drains (`EngineDraining`), the routers' load counters (`EngineActor.resumable`) and when the engine first served.
-The serving component reports requests starting and ending here (`prefill_started`, `decode_done`, `served`, ...);
-nobody else writes these counters."""
+The serving component reports requests starting and ending here (`prefill_started`, `decode_done`, `served`, ...),
+and `EngineActor.generate` its direct requests (`direct_request`); nobody else writes these counters. Each change
+of the requests in flight goes to the engine's core lender (`actors.core_lending`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 from actors.core_lending import CoreLender
 from actors.engine_client import Busy, Load
@@ -32,6 +35,7 @@ class EngineLoad:
         self._prefills = 0
         self._queued_tokens = 0  # prompt tokens of prefills here past their predicted hits (every front end's)
         self._decodes = 0
+        self._direct = 0  # requests through EngineActor.generate
         self._total_blocks = 0  # the block pool's size (all free right after start)
         self._usage = 0.0  # fraction of blocks in use, refreshed in the background (EngineCore may be mid-step)
         self._usage_task: asyncio.Task | None = None
@@ -68,6 +72,18 @@ class EngineLoad:
         self._decodes -= 1
         self._lend()
 
+    @contextlib.contextmanager
+    def direct_request(self) -> Iterator[None]:
+        """A request outside the routers' paths (`EngineActor.generate`: warm-up, tests, tools): in flight while it
+        runs, so the engine's cores are not lent meanwhile, but no part of the load the routers and autoscaler see."""
+        self._direct += 1
+        self._lend()
+        try:
+            yield
+        finally:
+            self._direct -= 1
+            self._lend()
+
     def _lend(self) -> None:
         if self.lender is not None:
             self.lender.set_in_flight(self.in_flight)
@@ -75,7 +91,7 @@ class EngineLoad:
     @property
     def in_flight(self) -> int:
         """Prefills and decodes running here (every front end's)."""
-        return self._prefills + self._decodes
+        return self._prefills + self._decodes + self._direct
 
     def served(self) -> None:
         """A request was served (a prefill done, a decode's tokens out): the first one's time is kept."""

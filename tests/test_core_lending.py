@@ -53,6 +53,7 @@ def test_a_lender_is_busy_until_ready_and_then_follows_its_requests(node):
 
 def test_a_borrower_takes_the_leading_idle_held_cores_and_gives_them_back(node, monkeypatch):
     monkeypatch.setattr(cl, "HELD_REFRESH_S", 0.0)  # re-read the locks every step
+    monkeypatch.setattr(cl, "HANDOFF_S", 30.0)  # a pause no slow machine outlasts between two calls
     sizes: list[int] = []
     b = CoreBorrower(node, (0,), (1, 2), set_threads=sizes.append, threads=1)
     assert b.before_step() == 1  # nobody holds 1 or 2: nothing to borrow
@@ -74,6 +75,7 @@ def test_a_borrower_takes_the_leading_idle_held_cores_and_gives_them_back(node, 
         assert b.before_step() == 3
         assert b.before_step(handing_off=True) == 1  # prompts just finished: their decodes are about to start
         assert b.before_step() == 1
+        assert b.before_step(computes=False) == 1  # a step without the model: neither sized nor counted
         b._handoff_at -= cl.HANDOFF_S
         assert b.before_step() == 3
         d1.release()  # its engine died (the kernel drops the lock); its byte still says idle
@@ -83,7 +85,55 @@ def test_a_borrower_takes_the_leading_idle_held_cores_and_gives_them_back(node, 
         d1.release(), d2.release()
     assert sizes == [3, 2, 1, 3, 1, 3, 1]  # the team is resized only when it changes
     assert b.stats() == {"own": [0], "others": [1, 2], "steps": 11, "borrowed_steps": 4, "borrowed_cores": 7,
-                         "threads": 1}
+                         "threads": 1, "failed": None}
+
+
+def test_the_step_hook_reads_the_hand_off_and_fails_open(node, monkeypatch):
+    """`actors.connector.size_team_for_step`, vLLM's scheduler step's hook: the prompts the metadata hands to decode
+    engines pause borrowing; steps without scheduled tokens leave the team; an error turns borrowing off, the team
+    back at the engine's own cores, and the step goes on."""
+    from types import SimpleNamespace
+
+    from actors.connector import size_team_for_step
+
+    sizes: list[int] = []
+    b = CoreBorrower(node, (0,), (1,), set_threads=sizes.append, threads=1)
+    monkeypatch.setattr(cl, "_BORROWER", b)
+    monkeypatch.setattr(cl, "_LOADED", True)
+    monkeypatch.setattr(cl, "HELD_REFRESH_S", 0.0)
+    d1 = lease_cores(1, "decode-1", "node-a", cores=(1,))
+    l1 = CoreLender(node, (1,))
+    l1.ready(0)
+    step = SimpleNamespace(total_num_scheduled_tokens=512)
+    try:
+        size_team_for_step(SimpleNamespace(reqs_to_send={}), step)
+        assert b.threads == 2
+        size_team_for_step(SimpleNamespace(reqs_to_send={"r1": 0.0}), SimpleNamespace(total_num_scheduled_tokens=0))
+        assert b.threads == 2 and b.steps == 1  # an empty step: the team as it was
+        size_team_for_step(SimpleNamespace(reqs_to_send={}), step)
+        assert b.threads == 1  # r1's decode is about to start there
+        b._handoff_at -= cl.HANDOFF_S
+        size_team_for_step(SimpleNamespace(reqs_to_send={}), step)
+        assert b.threads == 2
+
+        calls = []
+
+        def once_broken(n: int) -> None:  # the resize fails, the reset to the engine's own cores works
+            calls.append(n)
+            if len(calls) == 1:
+                raise OSError("no more threads")
+
+        b.set_threads = once_broken
+        l1.set_in_flight(1)
+        size_team_for_step(SimpleNamespace(reqs_to_send={}), step)  # does not raise
+        assert b.failed == "OSError: no more threads" and b.stats()["failed"] == b.failed
+        assert calls == [1, 1] and b.threads == 1
+        l1.set_in_flight(0)
+        size_team_for_step(SimpleNamespace(reqs_to_send={}), step)
+        assert b.steps == 3 and b.threads == 1 and calls == [1, 1]  # off for good: idle lender, no borrowing
+    finally:
+        l1.close()
+        d1.release()
 
 
 def test_borrow_env_places_own_cores_first_then_the_others():

@@ -326,7 +326,7 @@ def main(args: Any) -> int:
           f"prefill queue {'off' if args.local_prefill_queue is None else args.local_prefill_queue}, its local prefill when "
           f"idle {args.local_prefill_when_idle}, its engines {'sharing' if share else 'each on'} cores "
           f"{'' if share else 'of its own '}({len(os.sched_getaffinity(0))} here), its prefill engine borrowing idle "
-          f"cores {args.borrow_idle_cores}; targets "
+          f"cores {'off (shared cores)' if share else args.borrow_idle_cores}; targets "
           f"{', '.join(targets)}; {args.rounds} round(s)", flush=True)
     for rnd, target in round_order(targets, args.rounds):
         print(f"round {rnd}/{args.rounds}: {target}", flush=True)
