@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.cores import held_cores
@@ -102,7 +103,7 @@ class CoreBorrower:
     where: str
     own: tuple[int, ...]
     others: tuple[int, ...]
-    set_threads: object = None  # torch._C.set_num_threads (vLLM's CPU worker stubs out torch.set_num_threads)
+    set_threads: Callable[[int], None]  # torch._C.set_num_threads (vLLM's CPU worker stubs torch.set_num_threads)
     steps: int = 0
     borrowed_steps: int = 0
     borrowed_cores: int = 0  # cores borrowed, summed over steps
