@@ -191,16 +191,17 @@ class EngineActor:
         if not self.own_cores and "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the pool's env names a binding
             return ()
         cores: tuple[int, ...] = ()
+        node = self.procs.node_id()
         if self.own_cores:
             if self.lease is None:
                 who = f"{self.role} pool" if self.role else ""
-                self.lease = lease_cores(self.own_cores, self.engine_id, self.procs.node_id(), who=who,
+                self.lease = lease_cores(self.own_cores, self.engine_id, node, who=who,
                                          reserved=self.reserve_cores)
             cores = self.lease.cores
             bind = omp_bind(cores, self.tp)
             log.info("engine %s owns cores %s (OpenMP binding %s)", self.engine_id, format_cores(cores), bind)
             if self.lender is None:
-                self.lender = CoreLender(lock_dir(self.procs.node_id()), cores)
+                self.lender = CoreLender(lock_dir(node), cores)
         else:
             bind = shared_bind(node_cores(), self.tp)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
@@ -208,7 +209,7 @@ class EngineActor:
             os.environ.update(in_process_env(bind))
             others = tuple(c for c in node_cores() if c not in cores)
             if self.borrow_cores and cores and others:
-                os.environ.update(borrow_env(lock_dir(self.procs.node_id()), cores, others))
+                os.environ.update(borrow_env(lock_dir(node), cores, others))
                 # its OpenMP threads spin a moment between parallel regions instead of sleeping (GOMP_SPINCOUNT):
                 # two threads that sleep between a step's hundreds of small regions ran slower than one
                 os.environ.pop("OMP_WAIT_POLICY", None)
