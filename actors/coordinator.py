@@ -47,6 +47,7 @@ class CoordinatorActor:
         self.restarted = ctx.was_current_actor_reconstructed
         self._rebuild: asyncio.Task | None = None
         self.rebuilt: list[str] = []
+        self._routes_moved: asyncio.Event | None = None  # set when the routes may have changed (`_moved`)
         self.host_cores = start_host_cores("coordinator")  # off the cores decode engines reserve (actors.cores)
 
     async def _ready(self) -> None:
@@ -135,12 +136,14 @@ class CoordinatorActor:
                 raise r
         except Exception:
             self.core.deregister(rec.engine_id)
+            self._moved()
             self.clients.pop(rec.engine_id, None)
             raise
         # an engine found draining when a restarted coordinator rebuilds its registry, or told to drain while its
         # plans were being pushed, stays out of new requests
         if rec.engine_id in self.core.engines and self.core.engines[rec.engine_id].state == "joining":
             self.core.set_state(rec.engine_id, "draining" if registration.draining else "ready")
+            self._moved()
         if registration.leftovers is not None:
             self.leftovers[rec.engine_id] = registration.leftovers
         log.info("registered %s (%s, TP %d); pairs %s", rec.engine_id, rec.role, layout.tp, pairs)
@@ -161,6 +164,7 @@ class CoordinatorActor:
         if engine_id not in self.core.engines:
             return False
         self.core.set_state(engine_id, "draining")
+        self._moved()
         log.info("draining %s: no new requests", engine_id)
         return True
 
@@ -199,6 +203,7 @@ class CoordinatorActor:
             return
         pairs = [k for k in self.core.pairs if engine_id in k]
         self.core.deregister(engine_id)
+        self._moved()
         self.clients.pop(engine_id, None)
         self._silence.pop(engine_id, None)
         self.leftovers.pop(engine_id, None)
@@ -301,6 +306,13 @@ class CoordinatorActor:
 
     def set_state(self, engine_id: str, state: str) -> None:
         self.core.set_state(engine_id, state)  # type: ignore[arg-type]
+        self._moved()
+
+    def _moved(self) -> None:
+        """The routes may have changed: wake the routers' watch questions (`routes_after`)."""
+        if self._routes_moved is not None:
+            self._routes_moved.set()
+            self._routes_moved = None
 
     async def decodes_for(self, prefill_id: str) -> list[str]:
         await self._ready()
@@ -311,9 +323,28 @@ class CoordinatorActor:
         return self.core.ready(role)  # type: ignore[arg-type]
 
     async def routes(self) -> dict[str, list[str]]:
-        """Ready prefill engine -> approved ready decode engines: a router's one question per request."""
+        """Ready prefill engine -> approved ready decode engines: a router's question (per request, unless its routes
+        watch vouches for the routes it holds)."""
         await self._ready()
         return self.core.routes()
+
+    async def routes_after(self, known: dict[str, list[str]] | None, wait_s: float) -> dict[str, list[str]]:
+        """The routes as soon as they differ from `known` (a router's copy), or as they are after `wait_s`: the
+        question a router's routes watch keeps under way (`Router._watch_routes`). One slot of the actor per watching
+        router while it waits."""
+        await self._ready()
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while True:
+            routes = self.core.routes()
+            left = deadline - time.monotonic()
+            if routes != known or left <= 0:
+                return routes
+            if self._routes_moved is None:
+                self._routes_moved = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._routes_moved.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     async def client(self, engine_id: str) -> EngineClient | None:
         """The engine's client, or None once it has left."""

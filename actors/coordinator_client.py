@@ -91,6 +91,10 @@ class CoordinatorClient:
         """Each ready prefill engine's approved decode engines."""
         return self.handle.routes.remote()
 
+    def routes_after(self, known: dict[str, list[str]] | None, wait_s: float) -> "ObjectRef[dict[str, list[str]]]":
+        """The routes once they differ from `known`, or as they are after `wait_s` (a router's routes watch)."""
+        return self.handle.routes_after.remote(known, wait_s)
+
     def client(self, engine_id: str) -> "ObjectRef[EngineClient | None]":
         """A registered engine's client (None once it has left)."""
         return self.handle.client.remote(engine_id)

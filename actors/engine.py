@@ -339,6 +339,14 @@ class EngineActor:
         return await self.serving.submit_decode(channel_id, request_id, prompt_token_ids, params, kv_transfer_params,
                                                 continued)
 
+    async def submit_prefill(self, channel_id: str, request_id: str, prompt_token_ids: list[int],
+                             prompt_logprobs: int | None = None, first_token: Any = None, continued: int = 0) -> None:
+        return await self.serving.submit_prefill(channel_id, request_id, prompt_token_ids, prompt_logprobs,
+                                                 first_token, continued)
+
+    async def cancel_prefill(self, request_id: str) -> None:
+        return await self.serving.cancel_prefill(request_id)
+
     async def abort(self, request_id: str) -> None:
         return await self.serving.abort(request_id)
 

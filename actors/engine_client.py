@@ -350,6 +350,17 @@ class EngineClient:
         return self.handle.submit_decode.remote(channel_id, request_id, prompt_token_ids, params, kv_transfer_params,
                                                 continued)
 
+    def submit_prefill(self, channel_id: str, request_id: str, prompt_token_ids: list[int],
+                       prompt_logprobs: int | None = None, first_token: Any = None,
+                       continued: int = 0) -> "ObjectRef[None]":
+        """Start a prefill whose answer (`Prefilled`) comes on channel `channel_id` (see `EngineActor.submit_prefill`)."""
+        return self.handle.submit_prefill.remote(channel_id, request_id, prompt_token_ids, prompt_logprobs,
+                                                 first_token, continued)
+
+    def cancel_prefill(self, request_id: str) -> "ObjectRef[None]":
+        """Stop a prefill started with `submit_prefill`, or free what it holds if it already answered."""
+        return self.handle.cancel_prefill.remote(request_id)
+
     def abort(self, request_id: str) -> "ObjectRef[None]":
         return self.handle.abort.remote(request_id)
 

@@ -9,6 +9,7 @@ tests' and benchmarks' references."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -26,6 +27,7 @@ from cluster.core.verify import TRANSFER_VERIFY_FAILED
 from cluster.core.wire import FIRST_TOKEN
 
 log = logging.getLogger("pd.engine")
+DELIVERED_KEPT = 4096  # answered prefills whose blocks `cancel_prefill` can still free
 
 
 def _ranked(step: dict[int, Any]) -> list[tuple[int, float]]:
@@ -54,6 +56,10 @@ class EngineServing:
         self.engine_id, self._live, self.ranks, self.prefixes = engine_id, live, ranks, prefixes
         self._meter, self._verifier, self._totals = meter, verifier, totals
         self._channels: dict[str, Outbox] = {}  # open decode channels (one per front end)
+        self._prefills: dict[str, asyncio.Task] = {}  # prefills started by `submit_prefill`, until they answer
+        # request id -> remote request id of prefills answered on a channel (the latest DELIVERED_KEPT): what
+        # `cancel_prefill` frees when the front end gave up on one after its answer left
+        self._delivered: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     async def prefill(self, prompt_token_ids: list[int], request_id: str, prompt_logprobs: int | None = None,
                       first_token: Any = None, continued: int = 0) -> Prefilled:
@@ -115,6 +121,52 @@ class EngineServing:
             if detokenizer is not None and first.outputs:
                 first.outputs[0].text = "".join(detokenizer.decode_next(t) for t in first.outputs[0].token_ids)
         return Prefilled(kv_transfer_params, scored[0].prompt_logprobs if scored else None, first)
+
+    async def submit_prefill(self, channel_id: str, request_id: str, prompt_token_ids: list[int],
+                             prompt_logprobs: int | None = None, first_token: Any = None, continued: int = 0) -> None:
+        """Start `prefill`, its answer going to channel `channel_id` (opened by `decode_channel`) as the item
+        (request id, Prefilled), or (request id, DecodeError) if it fails: on this node over the channel's local
+        socket, with no Ray return on the way to the first token. Refused here (raised) while draining or without the
+        channel; `cancel_prefill` stops it. The prefill ends with the channel, like the channel's decodes."""
+        self._live.required()
+        self._meter.refuse_if_draining()
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            raise RuntimeError(f"channel {channel_id} is not open on engine {self.engine_id}")
+        task = asyncio.get_running_loop().create_task(
+            self._answer(channel, request_id, prompt_token_ids, prompt_logprobs, first_token, continued))
+        self._prefills[request_id] = task
+        channel.tasks.add(task)
+        task.add_done_callback(channel.tasks.discard)
+        task.add_done_callback(lambda _: self._prefills.pop(request_id, None))
+
+    async def _answer(self, channel: Outbox, request_id: str, prompt_token_ids: list[int], prompt_logprobs: int | None,
+                      first_token: Any, continued: int) -> None:
+        try:
+            prefilled = await self.prefill(prompt_token_ids, request_id, prompt_logprobs, first_token, continued)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the front end's request fails with it
+            channel.put((request_id, DecodeError(type(e).__name__, str(e))))
+            return
+        remote_id = prefilled.kv_transfer_params.get("remote_request_id")
+        if remote_id:
+            self._delivered[request_id] = remote_id
+            while len(self._delivered) > DELIVERED_KEPT:
+                self._delivered.popitem(last=False)
+        channel.put((request_id, prefilled))
+
+    async def cancel_prefill(self, request_id: str) -> None:
+        """The front end gave up on a prefill it started with `submit_prefill`: stop it (vLLM aborts it), or - when
+        it had already answered - free the blocks it holds for a decode engine (a no-op once one read them)."""
+        task = self._prefills.get(request_id)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+            return
+        remote_id = self._delivered.pop(request_id, None)
+        if remote_id is not None and self._live() is not None:
+            await self.release([remote_id])
 
     async def _last_output(self, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:
         final = None

@@ -606,7 +606,7 @@ async def build_frontend(settings: FrontendSettings, coordinator: Any, replica: 
                     local_prefill_queue=settings.local_prefill_queue,
                     local_prefill_when_idle=settings.local_prefill_when_idle, policy=settings.routing_policy,
                     stall_s=settings.stall_timeout_s, failover_wait_s=settings.failover_wait_s,
-                    local_prefill_speed=settings.local_prefill_speed)
+                    local_prefill_speed=settings.local_prefill_speed, watch_routes=True)
     client = cluster_engine_client(vllm_config, router, metrics)
     tasks = await client.get_supported_tasks()
     app = build_app(args, tasks, vllm_config.model_config)

@@ -6,7 +6,8 @@
      request's own parameters; that token goes to the client at once, and the decode engine gets the prompt plus
      it, loads the state of the prompt and recomputes only that token. Otherwise vLLM's default for hybrid models:
      the prefill side stops one token short (the recurrent state cannot be rewound) and the decode side recomputes
-     the last prompt token and samples the first token;
+     the last prompt token and samples the first token. The prefill's answer comes back on the front end's channel
+     from that engine (`submit_prefill`; see 3.), not as a Ray call's return;
   2. its transfer parameters (block ids per cache group, engine id, token count) go to a decode engine that the
      coordinator has approved for that prefill engine; the decode engine's connector pulls the state with NIXL using
      the negotiated pair plan and decodes;
@@ -23,6 +24,8 @@
      request that raced the departure is retried on another pair.
   Degraded mode: while no pair is ready - the decode pool is empty, or the prefill pool is - one engine of the other
   pool runs each request whole (a prefill engine decodes, a decode engine prefills), with the same outputs.
+  The routes (which pairs may serve) come from the coordinator; the front end's router keeps them current with a
+  watch (`watch_routes`: one question held at the coordinator, answered on each change) instead of asking per request.
   While the coordinator is unreachable (it died and Ray is restarting it) the router keeps serving on the routes the
   coordinator last gave it, with the engine clients it holds: those pairs' plans are installed in their engines.
 """
@@ -32,11 +35,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
 from collections import Counter
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 from actors.coordinator_client import CoordinatorClient
 from actors.decode_channel import STALL_S, DecodeChannel, DecodeError, EngineStuck, probe_timeout_s
@@ -54,10 +58,25 @@ ROUTES_STALE_S = 300.0  # ... for at most this long after the last answer; then 
 PREFILL_TIMEOUT_S = 600.0  # a prefill that has not answered by then is treated as a failed engine
 FAILOVER_WAIT_S = 90.0  # a stream failing over that finds no engine waits this long for one (routing.failover_wait_s)
 CAPACITY_POLL_S = 0.5
+# the routes watch (`Router._watch_routes`): the coordinator holds each question up to this long for a change, and a
+# watch question whose answer is this much later than that (ROUTES_FALLBACK_AFTER_S) no longer vouches for the routes
+WATCH_WAIT_S = 2.0
+WATCH_GAP_S = 0.05  # at least this between two questions of one watch
 
 
 async def _awaitable(ref: Any) -> Any:
     return await ref
+
+
+async def _answer(inbox: Any) -> Prefilled:
+    """A prefill's answer from its channel inbox (`submit_prefill`): the engine's Prefilled, or its failure raised -
+    the channel's error when it broke (the engine died, left or was found stuck), the prefill's own as a RuntimeError."""
+    out = await inbox.get()
+    if isinstance(out, BaseException):
+        raise out
+    if isinstance(out, DecodeError):
+        raise RuntimeError(f"{out.kind}: {out.message}")
+    return out
 
 
 def _ours(question: asyncio.Future | None) -> bool:
@@ -125,7 +144,8 @@ class Router:
     def __init__(self, coordinator: Any, decode_transport: str = "auto", first_token_from_prefill: bool = True,
                  local_prefill_queue: int | None = None, local_prefill_when_idle: bool = False,
                  policy: str = "cache", stall_s: float = STALL_S, failover_wait_s: float = FAILOVER_WAIT_S,
-                 local_prefill_speed: float | None = None):
+                 local_prefill_speed: float | None = None, watch_routes: bool = False,
+                 prefill_over_channel: bool = True):
         if stall_s <= 0:
             raise ValueError(f"stall_s must be > 0, not {stall_s!r}")
         if failover_wait_s < 0:
@@ -158,6 +178,11 @@ class Router:
         self.degraded: str | None = None
         self.prefill_timeout_s = PREFILL_TIMEOUT_S
         self._routes: tuple[float, dict[str, list[str]]] | None = None  # (when, the coordinator's last routes)
+        self.watch_routes = watch_routes
+        self.prefill_over_channel = prefill_over_channel
+        self._watch: asyncio.Task | None = None  # the routes watch, on the event loop that started it
+        self._watch_asked_at = 0.0  # when the watch's question under way was asked
+        self.watch_answers = 0  # routes the watch received (each a change, or the routes as they were after a wait)
         self.coordinator_unreachable = False  # the last routes question went unanswered
         self._routes_question: asyncio.Future | None = None  # while unreachable: the routes question under way
         self._routes_asked_at = 0.0
@@ -169,7 +194,14 @@ class Router:
         within ROUTES_FALLBACK_AFTER_S (dead and restarting, or wedged), the last routes it gave, for up to
         ROUTES_STALE_S after they were given - at once from then on: the coordinator is asked again in the background
         (`_answered_meanwhile`), and its first answer ends the fallback. The first answer is waited for as long as any
-        coordinator call."""
+        coordinator call.
+
+        With `watch_routes` no request asks while the routes watch vouches for the routes it holds (`_watched`): the
+        watch keeps one question at the coordinator, answered when the routes change (`routes_after`), so a request
+        routes on routes as fresh as one it asked itself, without the Ray round trip on its way to the first token."""
+        watched = self._watched()
+        if watched is not None:
+            return watched
         if self._routes is None or time.monotonic() - self._routes[0] > ROUTES_STALE_S:
             routes = await self._ask("routes")
         elif self.coordinator_unreachable:
@@ -194,6 +226,12 @@ class Router:
             for engine_id in self._outage_suspects:  # it decides now: listed engines are trusted again
                 self.choice.trust(engine_id)
             self._outage_suspects.clear()
+        self._take_routes(routes)
+        self._start_watch(routes)
+        return routes
+
+    def _take_routes(self, routes: dict[str, list[str]]) -> None:
+        """The coordinator's answer becomes the router's routes: engines and channels no longer listed are let go."""
         self._routes = (time.monotonic(), routes)
         listed = set(routes).union(*routes.values())
         for engine_id in [e for e in self._engines if e not in listed]:  # left (or not ready): asked again if it returns
@@ -201,7 +239,52 @@ class Router:
         for engine_id in [e for e, c in self._channels.items() if c.closed and e not in listed]:
             del self._channels[engine_id]  # its stream ended when it left: nothing waits on it
         self.choice.left(listed)
-        return routes
+
+    def _watched(self) -> dict[str, list[str]] | None:
+        """The routes, if the watch vouches for them: it runs on this event loop, its question is under way for no
+        longer than the coordinator holds one plus ROUTES_FALLBACK_AFTER_S, and the coordinator answers (otherwise a
+        request asks, with the fallback rules)."""
+        watch = self._watch
+        if (watch is None or watch.done() or watch.get_loop() is not asyncio.get_running_loop()
+                or self.coordinator_unreachable or self._routes is None):
+            return None
+        if time.monotonic() - self._watch_asked_at > WATCH_WAIT_S + ROUTES_FALLBACK_AFTER_S:
+            return None
+        return self._routes[1]
+
+    def _start_watch(self, routes: dict[str, list[str]]) -> None:
+        """Start the routes watch from an answer the coordinator just gave (none while one runs on this loop)."""
+        if not self.watch_routes:
+            return
+        watch = self._watch
+        if watch is not None and not watch.done() and watch.get_loop() is asyncio.get_running_loop():
+            return
+        self._watch_asked_at = time.monotonic()
+        self._watch = asyncio.ensure_future(self._watch_routes(routes))
+
+    async def _watch_routes(self, known: dict[str, list[str]]) -> None:
+        """Keep the router's routes current: ask the coordinator for them once they differ from `known`
+        (`CoordinatorActor.routes_after`, held up to WATCH_WAIT_S), take each answer, ask again. It ends at the first
+        question that fails or is late (the coordinator died, restarts or is wedged): requests ask it themselves then,
+        with the fallback rules of `routes`, and its next answer starts a new watch."""
+        try:
+            while True:
+                asked = self._watch_asked_at = time.monotonic()
+                routes = await asyncio.wait_for(self.coordinator.routes_after(known, WATCH_WAIT_S),
+                                                WATCH_WAIT_S + ROUTES_FALLBACK_AFTER_S)
+                if self.coordinator_unreachable:  # a request found it away meanwhile: its rules decide from here
+                    return
+                self.watch_answers += 1
+                if routes != known:
+                    self._take_routes(routes)
+                    known = routes
+                else:
+                    self._routes = (time.monotonic(), routes)
+                await asyncio.sleep(max(0.0, asked + WATCH_GAP_S - time.monotonic()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - RayActorError, ActorUnavailableError, a timeout: requests ask again
+            log.info("routes watch ended (%s); requests ask the coordinator", error_text(e))
 
     def _answered_meanwhile(self) -> dict[str, list[str]] | None:
         """While requests are routed on the coordinator's last routes: its answer to the routes question asked in
@@ -428,7 +511,9 @@ class Router:
         finally:
             self._reporting.discard(engine_id)
 
-    async def _channel(self, engine_id: str, engine: EngineClient) -> "DecodeChannel":
+    async def _channel(self, engine_id: str, engine: EngineClient, phase: str = "decode") -> "DecodeChannel":
+        """This front end's channel from the engine (opened on first use; `phase` names the failure if it cannot
+        be)."""
         channel = self._channels.get(engine_id)
         # a channel opened under another event loop (a caller that runs each batch under its own asyncio.run) has
         # no reader any more: its outputs would never arrive
@@ -439,11 +524,11 @@ class Router:
         try:
             await channel.opened()
         except Exception as e:
-            raise EngineFailure("decode", engine_id, e) from None
+            raise EngineFailure(phase, engine_id, e) from None
         if channel.closed:
             if channel.unreachable:  # the engine cannot reach our socket (another /tmp?): the Ray stream from now on
                 self._unreachable.add(engine_id)
-            raise EngineFailure("decode", engine_id, channel.error)
+            raise EngineFailure(phase, engine_id, channel.error)
         return channel
 
     async def _once(self, prompt_token_ids, params, rid, pair, avoid: set[str],
@@ -500,17 +585,27 @@ class Router:
             prefill, decode = await self.engine(p_id, "prefill"), await self.engine(d_id, "decode")
             first_token = self.first_token_from_prefill and first_token_refused(params) is None
             load.inflight[p_id] += 1
-            ref = prefill.prefill(prompt_token_ids, rid, prompt_logprobs=params.prompt_logprobs,
-                                  first_token=params if first_token else None, continued=continued)
             try:
-                prefilled: Prefilled = await self._prefilled(prefill, ref)
-            except (asyncio.CancelledError, EngineStuck) as e:  # client gone, or a hung engine: stop it
-                self._background(self._cancel_prefill(prefill, ref))
-                if isinstance(e, asyncio.CancelledError):
+                sampled = params if first_token else None
+                if self.prefill_over_channel:
+                    answer = self._prefill_on_channel(p_id, prefill, rid, prompt_token_ids, params.prompt_logprobs,
+                                                      sampled, continued)
+                    cancel = functools.partial(self._cancel_on_channel, prefill, rid)
+                else:
+                    ref = prefill.prefill(prompt_token_ids, rid, prompt_logprobs=params.prompt_logprobs,
+                                          first_token=sampled, continued=continued)
+                    answer, cancel = _awaitable(ref), functools.partial(self._cancel_prefill, prefill, ref)
+                try:
+                    prefilled: Prefilled = await self._prefilled(prefill, answer)
+                except (asyncio.CancelledError, EngineStuck) as e:  # client gone, or a hung engine: stop it
+                    self._background(cancel())
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    raise EngineFailure("prefill", p_id, e) from None
+                except EngineFailure:
                     raise
-                raise EngineFailure("prefill", p_id, e) from None
-            except Exception as e:
-                raise EngineFailure("prefill", p_id, e) from None
+                except Exception as e:
+                    raise EngineFailure("prefill", p_id, e) from None
             finally:
                 load.inflight[p_id] -= 1
                 load.pending_tokens[p_id] -= uncached
@@ -558,12 +653,12 @@ class Router:
             load.heading[d_id] -= 1
             load.pending_tokens[p_id] -= uncached  # 0 unless the prefill never started
 
-    async def _prefilled(self, prefill: EngineClient, ref: Any) -> Prefilled:
+    async def _prefilled(self, prefill: EngineClient, answer: Awaitable[Prefilled]) -> Prefilled:
         """A prefill's answer. Every `stall_s` without one the engine is asked whether it is stuck
         (`EngineClient.stuck`: failed - not stepping, `actors.engine_progress` - or dead, or no answer to its health
         twice in a row): then, or with no answer within `prefill_timeout_s`, `EngineStuck` is raised; a busy, healthy
         engine is waited for."""
-        waiting = asyncio.ensure_future(_awaitable(ref))
+        waiting = asyncio.ensure_future(answer)
         t0 = time.monotonic()
         try:
             while True:
@@ -675,6 +770,28 @@ class Router:
             await asyncio.wait_for(prefill.release([remote_id]), 10)
         except Exception as e:  # noqa: BLE001 - best effort; vLLM's lease expiry remains the fallback
             log.warning("could not release prefill blocks of %s: %s", remote_id, e)
+
+    async def _prefill_on_channel(self, p_id: str, prefill: EngineClient, rid: str, prompt_token_ids: list[int],
+                                  prompt_logprobs: int | None, first_token: Any, continued: int) -> Prefilled:
+        """A prefill whose answer comes on this front end's channel from the engine (`submit_prefill`): on one node
+        over its local socket, with no Ray return on the way to the first token. Waited for by `_prefilled` as a
+        whole - the channel's opening and the submission included - so an engine that stopped answering altogether
+        is found stuck there too."""
+        channel = await self._channel(p_id, prefill, "prefill")
+        inbox = channel.join(rid, delta=False)
+        try:
+            await prefill.submit_prefill(channel.id, rid, prompt_token_ids, prompt_logprobs, first_token, continued)
+            return await _answer(inbox)
+        finally:
+            inbox.leave()
+
+    async def _cancel_on_channel(self, prefill: EngineClient, rid: str) -> None:
+        """Stop a prefill started with `submit_prefill` that nobody waits for; if it finished first, the engine frees
+        the blocks it holds for a decode engine (`EngineActor.cancel_prefill`)."""
+        try:
+            await asyncio.wait_for(prefill.cancel_prefill(rid), 30)
+        except Exception as e:  # noqa: BLE001 - best effort; vLLM's lease expiry remains the fallback
+            log.warning("could not cancel the prefill of %s: %s", rid, e)
 
     async def _cancel_prefill(self, prefill: EngineClient, ref: Any) -> None:
         """Cancel a prefill nobody waits for; if it finished first, free the blocks it holds for a decode engine."""

@@ -499,7 +499,8 @@ def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
     from actors.router import Router
 
     decode = pd.engines[("decode", 1)]
-    router = Router(pd.coordinator, local_prefill_when_idle=True, policy="load")
+    # prefill answers as the Ray call's return: `_HeldPrefill` below holds one back there
+    router = Router(pd.coordinator, local_prefill_when_idle=True, policy="load", prefill_over_channel=False)
     router.choice.pick = lambda candidates, role: sorted(candidates)[0]  # one pair: prefill-tp1 -> decode-tp1
     one, *two = prompts(seed=14, lengths=(290, 300, 280))  # new prompts: nothing found in a prefix cache
     ray.get(decode.transfer_stats())  # drain
@@ -562,7 +563,9 @@ def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd, first)
     tokens."""
     from actors.router import Router
 
-    router = Router(pd.coordinator, first_token_from_prefill=first == "prefill")
+    # the prefill's answer as the Ray call's return, where the client wrapper below sees it (on the front end's path it
+    # comes on the channel; the race with the read is the same)
+    router = Router(pd.coordinator, first_token_from_prefill=first == "prefill", prefill_over_channel=False)
     departed: list[str] = []
     for tp in (1, 2):
         engine_id = f"prefill-tp{tp}"

@@ -163,3 +163,75 @@ def test_a_draining_engine_refuses_decode_and_prefill():
     with pytest.raises(EngineDraining):
         asyncio.run(parts.serving.prefill([1, 2, 3], "r2"))
     assert parts.meter.decodes == 0 and parts.pairs.totals.cached_prompt_tokens == 0
+
+
+def _prefilled_output(rid: str) -> Any:
+    out = output(rid, [5], "a", "length")
+    out.kv_transfer_params = {"remote_request_id": f"remote-{rid}"}
+    return out
+
+
+def test_a_prefill_submitted_on_a_channel_answers_there_and_a_late_cancel_frees_its_blocks():
+    """`submit_prefill`: the answer (`Prefilled`) is the channel's item, not the call's return; `cancel_prefill`
+    after it left frees the blocks held for the decode engine that will not read them; an engine error is the
+    channel's `DecodeError`; no channel, or a draining engine, refuses the submission itself."""
+    from actors.decode_channel import DecodeError, Outbox
+    from actors.engine_client import Prefilled
+
+    parts = Parts(FakeVllm([_prefilled_output("p1")]))
+    released: list[list[str]] = []
+
+    async def release(ids):
+        released.append(list(ids))
+        return ids
+
+    parts.serving.release = release
+
+    async def run():
+        box = parts.serving._channels["c1"] = Outbox()
+        assert await parts.serving.submit_prefill("c1", "p1", [1, 2, 3]) is None
+        [(rid, answer)] = await asyncio.wait_for(box.take(), 5)
+        await parts.serving.cancel_prefill("p1")
+        with pytest.raises(RuntimeError, match="not open"):
+            await parts.serving.submit_prefill("c2", "p2", [1, 2, 3])
+        parts.serving._live.set(FakeVllm([], fail=ValueError("bad prompt")))
+        await parts.serving.submit_prefill("c1", "p3", [1, 2, 3])
+        [(failed_rid, failure)] = await asyncio.wait_for(box.take(), 5)
+        parts.meter.set_draining()
+        with pytest.raises(EngineDraining):
+            await parts.serving.submit_prefill("c1", "p4", [1, 2, 3])
+        return rid, answer, failed_rid, failure
+
+    rid, answer, failed_rid, failure = asyncio.run(run())
+    assert rid == "p1" and isinstance(answer, Prefilled) and answer.kv_transfer_params == {"remote_request_id": "remote-p1"}
+    assert released == [["remote-p1"]]
+    assert failed_rid == "p3" and isinstance(failure, DecodeError) and "bad prompt" in failure.message
+    assert parts.serving._prefills == {} and parts.meter._prefills == 0
+
+
+def test_cancelling_a_prefill_under_way_aborts_it_and_frees_nothing_twice():
+    """`cancel_prefill` while the prompt is still in the engine cancels it (vLLM's generate is cancelled: it aborts
+    the request); nothing reaches the channel and nothing is released."""
+    from actors.decode_channel import Outbox
+
+    engine = FakeVllm([], hold=True)
+    parts = Parts(engine)
+    released: list[list[str]] = []
+
+    async def release(ids):
+        released.append(list(ids))
+        return ids
+
+    parts.serving.release = release
+
+    async def run():
+        box = parts.serving._channels["c1"] = Outbox()
+        await parts.serving.submit_prefill("c1", "p1", [1, 2, 3])
+        await asyncio.sleep(0.05)
+        assert "p1" in parts.serving._prefills
+        await parts.serving.cancel_prefill("p1")
+        await asyncio.sleep(0.01)
+        return box.items
+
+    assert asyncio.run(run()) == [] and engine.cancelled == ["p1"] and released == []
+    assert parts.serving._prefills == {}

@@ -231,7 +231,11 @@ def test_an_engine_joins_while_a_dead_decode_engine_is_still_listed(served, idle
 def test_coordinator_restart_rebuilds_the_registry(served, idle_free):
     """SIGKILL the coordinator: the front end keeps serving on the routes the coordinator last gave it (the pairs'
     plans are installed in their engines) - every request 200 with the same output, none waiting for the restart -
-    while Ray restarts it; it re-registers every live engine (re-negotiating their pairs and re-pushing the plans)."""
+    while Ray restarts it; it re-registers every live engine (re-negotiating their pairs and re-pushing the plans).
+    An outage shorter than the routes watch's deadline can pass unnoticed (the watch vouches for routes that were
+    current when the coordinator died); a longer one has requests routed on the last routes, counted."""
+    from actors.router import ROUTES_FALLBACK_AFTER_S, WATCH_WAIT_S
+
     url = served.url
     before = ray.get(served.coordinator.describe())
     prompt = [1] + list(range(3, 150))
@@ -239,10 +243,12 @@ def test_coordinator_restart_rebuilds_the_registry(served, idle_free):
     stale0 = float(metric(httpx.get(f"{url}/metrics").text, "pd_requests_on_last_routes_total"))
     os.kill(ray.get(served.coordinator.pid()), signal.SIGKILL)
     t0 = time.monotonic()
-    served_meanwhile = 0
+    served_meanwhile, slowest = 0, 0.0
     while True:
+        t1 = time.monotonic()
         r = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        slowest = max(slowest, time.monotonic() - t1)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
         served_meanwhile += 1
@@ -254,9 +260,12 @@ def test_coordinator_restart_rebuilds_the_registry(served, idle_free):
         except ray.exceptions.GetTimeoutError:
             assert time.monotonic() - t0 < 90, "the coordinator was not back 90 s after it was killed"
     took = time.monotonic() - t0
-    print(f"coordinator killed: back after {took:.1f} s; {served_meanwhile} requests served meanwhile")
     stale = float(metric(httpx.get(f"{url}/metrics").text, "pd_requests_on_last_routes_total")) - stale0
-    assert stale >= 1, "no request was routed while the coordinator was down"
+    print(f"coordinator killed: back after {took:.1f} s; {served_meanwhile} requests served meanwhile (slowest "
+          f"{slowest:.1f} s), {stale:.0f} on the last routes")
+    assert served_meanwhile >= 1 and slowest < 10, (served_meanwhile, slowest)  # none waited for the restart
+    if took > WATCH_WAIT_S + ROUTES_FALLBACK_AFTER_S + 1:
+        assert stale >= 1, "no request was routed on the last routes while the coordinator was down"
     after = ray.get(served.coordinator.describe())
     assert {k: v["state"] for k, v in after["engines"].items()} == {k: v["state"] for k, v in before["engines"].items()}
     assert sorted(map(str, after["pairs"])) == sorted(map(str, before["pairs"]))

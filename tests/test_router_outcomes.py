@@ -28,11 +28,11 @@ def _ready(value):
 
 class FakeEngine:
     """An `EngineClient`'s prefill and decode-channel calls: `outputs` are what its decode side produces for any
-    request, one channel item each. Its prefill never samples a first token (no `first`), so every request takes
-    the decode-first path here."""
+    request, one channel item each. Its prefill (answered on the channel, `submit_prefill`, or as the call's return)
+    never samples a first token (no `first`), so every request takes the decode-first path here."""
 
     def __init__(self, outputs: list[dict]):
-        self.outputs, self.released, self.aborted, self.submitted = outputs, [], [], []
+        self.outputs, self.released, self.aborted, self.submitted, self.cancelled = outputs, [], [], [], []
         self.channels: dict[str, asyncio.Queue] = {}
 
     def prefill(self, prompt, rid, *, prompt_logprobs=None, first_token=None, continued=0):
@@ -40,6 +40,13 @@ class FakeEngine:
 
     def release(self, ids):
         return _ready(self.released.extend(ids))
+
+    def submit_prefill(self, channel_id, rid, prompt, prompt_logprobs=None, first_token=None, continued=0):
+        self.channels[channel_id].put_nowait((rid, Prefilled({"remote_request_id": rid})))
+        return _ready(None)
+
+    def cancel_prefill(self, rid):
+        return _ready(self.cancelled.append(rid))
 
     def abort(self, rid):
         self.aborted.append(rid)
@@ -606,3 +613,183 @@ def test_the_decode_engines_own_prompts_are_counted_until_their_first_output_wha
         assert seen[0] is True and d.submitted and d.submitted[0][2] is None  # whole on the decode engine
         assert (p if served_by == "p" else d).submitted, served_by
         assert router.local_prefill >= 1 and sum(router.choice.local_tokens.values()) == 0, router.choice.local_tokens
+
+
+class WatchedCoordinator(FakeCoordinator):
+    """A FakeCoordinator that also answers the routes watch's question as `CoordinatorActor.routes_after` does: at
+    once when the routes differ from the router's copy, else when `moved()` is called or after `wait_s`. Counts the
+    per-request `routes` questions in `asked` and the watch's in `watched`; `wedged` leaves every later question of
+    either kind unanswered."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.asked = self.watched = 0
+        self.wedged = False
+        self._moved: asyncio.Event | None = None
+        plain = self.routes.remote
+
+        def routes():
+            self.asked += 1
+            return asyncio.get_running_loop().create_future() if self.wedged else plain()
+
+        self.routes = SimpleNamespace(remote=routes)
+        self.routes_after = SimpleNamespace(remote=self._after)
+
+    def current(self):
+        return {p: [d for q, d in self.pairs if q == p] for p in sorted({p for p, _ in self.pairs})}
+
+    def moved(self):
+        if self._moved is not None:
+            self._moved.set()
+
+    async def _after(self, known, wait_s):
+        self.watched += 1
+        if self.wedged:
+            await asyncio.get_running_loop().create_future()
+        deadline = time.monotonic() + wait_s
+        while self.current() == known and time.monotonic() < deadline:
+            self._moved = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._moved.wait(), deadline - time.monotonic())
+            if self.wedged:
+                await asyncio.get_running_loop().create_future()
+        return self.current()
+
+
+def test_with_the_routes_watch_requests_do_not_ask_the_coordinator_and_see_its_changes():
+    """The front end's router (`watch_routes`): the first request asks the coordinator for the routes; the ones after
+    it route on what the watch holds, with no question of their own - and when the routes change (d replaced by d2),
+    the watch's question is answered at once and the next request goes to d2."""
+    d, d2 = FakeEngine([tokens(5, finish="length")]), FakeEngine([tokens(6, finish="length")])
+    coordinator = WatchedCoordinator({"p": FakeEngine([]), "d": d, "d2": d2}, [("p", "d")])
+    router = Router(coordinator, policy="load", watch_routes=True)
+
+    async def run():
+        before = [t for _ in range(4) for o in await collect(router) for t in o["token_ids"]]
+        asked = coordinator.asked
+        coordinator.pairs = [("p", "d2")]
+        coordinator.moved()
+        for _ in range(100):  # the watch's answer arrives within a few loop turns
+            if router._routes is not None and router._routes[1] == {"p": ["d2"]}:
+                break
+            await asyncio.sleep(0.01)
+        after = [t for o in await collect(router) for t in o["token_ids"]]
+        return before, asked, after
+
+    before, asked, after = asyncio.run(run())
+    assert before == [5] * 4 and asked == 1, (before, asked)
+    assert after == [6] and coordinator.asked == 1 and router.watch_answers >= 1
+
+
+def test_a_wedged_coordinator_stops_the_watch_vouching_and_requests_fall_back(monkeypatch):
+    """The coordinator stops answering (wedged): the watch's question goes unanswered, and once it is late
+    (WATCH_WAIT_S + ROUTES_FALLBACK_AFTER_S) the watch no longer vouches for the routes - a request asks, waits
+    ROUTES_FALLBACK_AFTER_S and is routed on the last routes, as without a watch (`stale_routed`). Without the
+    coordinator's watch call at all (an older coordinator), requests ask as before."""
+    import actors.router as router_module
+
+    monkeypatch.setattr(router_module, "WATCH_WAIT_S", 0.2)
+    monkeypatch.setattr(router_module, "ROUTES_FALLBACK_AFTER_S", 0.2)
+    d = FakeEngine([tokens(5, finish="length")] * 3)
+    coordinator = WatchedCoordinator({"p": FakeEngine([]), "d": d}, [("p", "d")])
+    router = Router(coordinator, policy="load", watch_routes=True)
+
+    async def run():
+        await collect(router)
+        await asyncio.sleep(0.05)
+        vouched = router._watched() is not None
+        coordinator.wedged = True
+        coordinator.moved()
+        await asyncio.sleep(0.5)  # past the watch question's deadline
+        unvouched = router._watched() is None
+        t0 = time.monotonic()
+        outs = await collect(router)
+        return vouched, unvouched, time.monotonic() - t0, outs
+
+    vouched, unvouched, took, outs = asyncio.run(run())
+    assert vouched and unvouched, (vouched, unvouched)
+    assert [t for o in outs for t in o["token_ids"]] == [5] and took >= 0.15
+    assert router.coordinator_unreachable and router.stale_routed == 1
+
+    plain = FakeCoordinator({"p": FakeEngine([]), "d": FakeEngine([tokens(5, finish="length")] * 2)}, [("p", "d")])
+    router = Router(plain, policy="load", watch_routes=True)
+
+    async def twice():
+        return [t for _ in range(2) for o in await collect(router) for t in o["token_ids"]]
+
+    assert asyncio.run(twice()) == [5, 5] and router._watched() is None
+
+
+def test_the_coordinator_answers_the_watch_when_the_routes_change():
+    """`CoordinatorActor.routes_after`: at once when the caller's routes are not the current ones; held while they
+    are, until an engine's state changes (here: a decode engine drains) or until `wait_s` has passed."""
+    from actors.coordinator import CoordinatorActor
+    from cluster.core.coordinator import Coordinator
+
+    cls = CoordinatorActor.__ray_actor_class__
+    coordinator = cls.__new__(cls)
+    coordinator.core, coordinator.restarted, coordinator._routes_moved = Coordinator(), False, None
+    core = coordinator.core
+    for engine_id, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        core.engines[engine_id] = SimpleNamespace(engine_id=engine_id, role=role, state="ready")
+    core.pairs[("prefill-0", "decode-0")] = object()
+    now = {"prefill-0": ["decode-0"]}
+
+    async def run():
+        stale = await coordinator.routes_after({}, 5.0)
+        t0 = time.monotonic()
+        same = await coordinator.routes_after(now, 0.2)
+        held = time.monotonic() - t0
+        waiting = asyncio.ensure_future(coordinator.routes_after(now, 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        t0 = time.monotonic()
+        coordinator.set_state("decode-0", "draining")
+        changed = await waiting
+        return stale, same, held, changed, time.monotonic() - t0
+
+    stale, same, held, changed, woke = asyncio.run(run())
+    assert stale == now and same == now and held >= 0.19
+    assert changed == {"prefill-0": []} and woke < 0.5
+
+
+def test_the_prefill_answer_comes_on_the_channel_and_a_client_that_leaves_cancels_it():
+    """The router's prefill (`prefill_over_channel`, the default): submitted with `submit_prefill`, answered on the
+    channel from that engine - the Ray call's return (`prefill`) is not used. A client that leaves while the prompt
+    is in prefill has it cancelled on the engine (`cancel_prefill`), which also frees the blocks if it had answered."""
+
+    class ChannelOnly(FakeEngine):
+        hold = False
+
+        def prefill(self, *a, **k):
+            raise AssertionError("the prefill's answer was asked as the call's return")
+
+        def submit_prefill(self, channel_id, rid, *a, **k):
+            if self.hold:
+                return _ready(None)  # in prefill until cancelled
+            return super().submit_prefill(channel_id, rid, *a, **k)
+
+    p, d = ChannelOnly([]), FakeEngine([tokens(5, finish="length")])
+    router = Router(FakeCoordinator({"p": p, "d": d}, [("p", "d")]), policy="load")
+
+    async def run():
+        served = [t for o in await collect(router) for t in o["token_ids"]]
+        p.hold = True
+        left = asyncio.ensure_future(collect(router))
+        for _ in range(100):
+            if router.choice.inflight["p"]:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        left.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await left
+        for _ in range(100):
+            if p.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        return served
+
+    assert asyncio.run(run()) == [5]
+    assert len(p.cancelled) == 1 and router.choice.inflight["p"] == 0
+    assert not router._channels["p"].inboxes  # nothing left waiting on the prefill engine's channel
