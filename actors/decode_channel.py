@@ -1,9 +1,10 @@
-"""The decode-output channel, both ends of its protocol: one stream per (front end, decode engine) carrying every
-output the engine produced for that front end's requests.
+"""The engine-output channel, both ends of its protocol: one stream per (front end, engine) carrying every output
+the engine produced for that front end's requests - decode outputs, and the answers of prefills submitted with
+`EngineClient.submit_prefill` (an item (request id, Prefilled)).
 
 Protocol. The front end opens a channel on an engine (`EngineClient.decode_channel`, a Ray streaming call) and then
-submits requests to it (`EngineClient.submit_decode`, naming the channel). Each message is a batch
-[(request id, vLLM RequestOutput | DecodeError)] of everything produced since the last one - typically one engine
+submits requests to it (`EngineClient.submit_decode` or `submit_prefill`, naming the channel). Each message is a
+batch [(request id, vLLM RequestOutput | Prefilled | DecodeError)] of everything produced since the last one - typically one engine
 step for all of the front end's requests there - so a message is paid once per step, not once per token and request.
   - On one node the messages go over a ZeroMQ socket on a Unix path in a directory private to the front end (0700):
     the front end binds a PULL socket and passes its ipc:// address; the engine connects a PUSH socket and says hello
@@ -61,7 +62,8 @@ class EngineStuck(RuntimeError):
 
 @dataclass(frozen=True)
 class DecodeError:
-    """A decode request that failed inside the engine (as a channel item): the exception's type name and message."""
+    """A request (decode or prefill) that failed inside the engine, as a channel item: the exception's type name and
+    message."""
 
     kind: str
     message: str

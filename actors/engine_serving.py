@@ -60,6 +60,9 @@ class EngineServing:
         # request id -> remote request id of prefills answered on a channel (the latest DELIVERED_KEPT): what
         # `cancel_prefill` frees when the front end gave up on one after its answer left
         self._delivered: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # request ids `cancel_prefill` found nothing for (the latest DELIVERED_KEPT): a submission that arrives after
+        # its cancel (Ray runs an async actor's calls concurrently) is not started
+        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     async def prefill(self, prompt_token_ids: list[int], request_id: str, prompt_logprobs: int | None = None,
                       first_token: Any = None, continued: int = 0) -> Prefilled:
@@ -133,6 +136,9 @@ class EngineServing:
         channel = self._channels.get(channel_id)
         if channel is None:
             raise RuntimeError(f"channel {channel_id} is not open on engine {self.engine_id}")
+        if request_id in self._cancelled:  # its front end gave up on it already
+            del self._cancelled[request_id]
+            return
         task = asyncio.get_running_loop().create_task(
             self._answer(channel, request_id, prompt_token_ids, prompt_logprobs, first_token, continued))
         self._prefills[request_id] = task
@@ -165,7 +171,11 @@ class EngineServing:
             await asyncio.wait([task])
             return
         remote_id = self._delivered.pop(request_id, None)
-        if remote_id is not None and self._live() is not None:
+        if remote_id is None:  # not submitted yet (its call overtaken by this one), or long gone
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > DELIVERED_KEPT:
+                self._cancelled.popitem(last=False)
+        elif self._live() is not None:
             await self.release([remote_id])
 
     async def _last_output(self, prompt_token_ids: list[int], params: Any, request_id: str) -> Any:

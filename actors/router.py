@@ -11,7 +11,7 @@
   2. its transfer parameters (block ids per cache group, engine id, token count) go to a decode engine that the
      coordinator has approved for that prefill engine; the decode engine's connector pulls the state with NIXL using
      the negotiated pair plan and decodes;
-  3. tokens stream back over one channel per (front end, decode engine) - `actors.decode_channel` - each of whose
+  3. tokens stream back over one channel per (front end, engine) - `actors.decode_channel` - each of whose
      messages carries every output the engine produced for that front end since the last one (typically one engine step for
      all its requests). When both run on one node the messages go over a ZeroMQ socket on a Unix path private to
      the front end (no Ray object per step); the Ray stream of the same channel stays open as its lifeline - it
@@ -166,7 +166,7 @@ class Router:
         self._cleanup: set[asyncio.Task] = set()
         # decode engine id -> this front end's output stream from it (bound to the event loop that opened it)
         self._channels: dict[str, DecodeChannel] = {}
-        self._unreachable: set[str] = set()  # decode engines that could not reach this front end's local socket
+        self._unreachable: set[str] = set()  # engines that could not reach this front end's local socket
         self._reporting: set[str] = set()  # engines whose failure report to the coordinator is under way
         self.retried = 0  # requests retried on another pair after an engine failure
         self.failed_over = 0  # streams continued on another pair after their engine failed mid-stream
@@ -268,7 +268,7 @@ class Router:
         question that fails or is late (the coordinator died, restarts or is wedged): requests ask it themselves then,
         with the fallback rules of `routes`, and its next answer starts a new watch."""
         try:
-            while True:
+            while self._watch is asyncio.current_task():  # a newer watch (another event loop's) replaces this one
                 asked = self._watch_asked_at = time.monotonic()
                 routes = await asyncio.wait_for(self.coordinator.routes_after(known, WATCH_WAIT_S),
                                                 WATCH_WAIT_S + ROUTES_FALLBACK_AFTER_S)
@@ -283,6 +283,9 @@ class Router:
                 await asyncio.sleep(max(0.0, asked + WATCH_GAP_S - time.monotonic()))
         except asyncio.CancelledError:
             raise
+        except AttributeError as e:  # a coordinator without the watch's call (an older one): requests ask, as before
+            self.watch_routes = False
+            log.info("routes watch off (%s); requests ask the coordinator", e)
         except Exception as e:  # noqa: BLE001 - RayActorError, ActorUnavailableError, a timeout: requests ask again
             log.info("routes watch ended (%s); requests ask the coordinator", error_text(e))
 
@@ -605,6 +608,10 @@ class Router:
                 except EngineFailure:
                     raise
                 except Exception as e:
+                    if self.prefill_over_channel and not _is_actor_death(e):
+                        # the channel broke with the engine alive (its socket, an overflow): an answer it sent may
+                        # be lost with the blocks it holds - freed, or the prefill stopped
+                        self._background(cancel())
                     raise EngineFailure("prefill", p_id, e) from None
             finally:
                 load.inflight[p_id] -= 1
@@ -673,7 +680,7 @@ class Router:
                     raise EngineStuck(f"no answer for {time.monotonic() - t0:.0f} s and the engine is {verdict.why}")
         finally:
             if not waiting.done():
-                waiting.cancel()  # the Ray call itself is cancelled by the caller (`_cancel_prefill`)
+                waiting.cancel()  # the engine's prefill is stopped by the caller (`_cancel_on_channel`, `_cancel_prefill`)
 
     async def _colocated(self, prefills: list[str], prompt_token_ids, params, rid, avoid: set[str],
                          continued: int = 0) -> AsyncIterator[Any]:

@@ -165,6 +165,18 @@ def test_a_draining_engine_refuses_decode_and_prefill():
     assert parts.meter.decodes == 0 and parts.pairs.totals.cached_prompt_tokens == 0
 
 
+def _recorded_releases(parts: Parts) -> list[list[str]]:
+    """The remote request ids `EngineServing.release` is asked to free, recorded instead (no workers here)."""
+    released: list[list[str]] = []
+
+    async def release(ids):
+        released.append(list(ids))
+        return ids
+
+    parts.serving.release = release
+    return released
+
+
 def _prefilled_output(rid: str) -> Any:
     out = output(rid, [5], "a", "length")
     out.kv_transfer_params = {"remote_request_id": f"remote-{rid}"}
@@ -179,13 +191,7 @@ def test_a_prefill_submitted_on_a_channel_answers_there_and_a_late_cancel_frees_
     from actors.engine_client import Prefilled
 
     parts = Parts(FakeVllm([_prefilled_output("p1")]))
-    released: list[list[str]] = []
-
-    async def release(ids):
-        released.append(list(ids))
-        return ids
-
-    parts.serving.release = release
+    released = _recorded_releases(parts)
 
     async def run():
         box = parts.serving._channels["c1"] = Outbox()
@@ -216,13 +222,7 @@ def test_cancelling_a_prefill_under_way_aborts_it_and_frees_nothing_twice():
 
     engine = FakeVllm([], hold=True)
     parts = Parts(engine)
-    released: list[list[str]] = []
-
-    async def release(ids):
-        released.append(list(ids))
-        return ids
-
-    parts.serving.release = release
+    released = _recorded_releases(parts)
 
     async def run():
         box = parts.serving._channels["c1"] = Outbox()
@@ -235,3 +235,24 @@ def test_cancelling_a_prefill_under_way_aborts_it_and_frees_nothing_twice():
 
     assert asyncio.run(run()) == [] and engine.cancelled == ["p1"] and released == []
     assert parts.serving._prefills == {}
+
+
+def test_a_cancel_that_overtakes_its_submission_keeps_the_prefill_from_starting():
+    """Ray runs an async actor's calls concurrently: a front end's `cancel_prefill` may arrive before the
+    `submit_prefill` it follows. That prefill is then never started (nothing would read or free its blocks)."""
+    from actors.decode_channel import Outbox
+
+    engine = FakeVllm([_prefilled_output("p1")])
+    parts = Parts(engine)
+
+    async def run():
+        box = parts.serving._channels["c1"] = Outbox()
+        await parts.serving.cancel_prefill("p1")
+        await parts.serving.submit_prefill("c1", "p1", [1, 2, 3])
+        await asyncio.sleep(0.05)
+        late = list(box.items)
+        await parts.serving.submit_prefill("c1", "p1", [1, 2, 3])  # the same id again later: a new request, served
+        [(rid, _)] = await asyncio.wait_for(box.take(), 5)
+        return late, rid
+
+    assert asyncio.run(run()) == ([], "p1") and len(engine.params) == 1

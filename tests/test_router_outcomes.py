@@ -722,35 +722,49 @@ def test_a_wedged_coordinator_stops_the_watch_vouching_and_requests_fall_back(mo
 
 def test_the_coordinator_answers_the_watch_when_the_routes_change():
     """`CoordinatorActor.routes_after`: at once when the caller's routes are not the current ones; held while they
-    are, until an engine's state changes (here: a decode engine drains) or until `wait_s` has passed."""
+    are, until they change - an engine's state set, an engine drained (scale-down), an engine deregistered - or until
+    `wait_s` has passed."""
     from actors.coordinator import CoordinatorActor
     from cluster.core.coordinator import Coordinator
 
     cls = CoordinatorActor.__ray_actor_class__
     coordinator = cls.__new__(cls)
     coordinator.core, coordinator.restarted, coordinator._routes_moved = Coordinator(), False, None
+    coordinator.clients, coordinator._silence, coordinator.leftovers = {}, {}, {}
     core = coordinator.core
-    for engine_id, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+    for engine_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"),
+                            ("decode-2", "decode")):
         core.engines[engine_id] = SimpleNamespace(engine_id=engine_id, role=role, state="ready")
-    core.pairs[("prefill-0", "decode-0")] = object()
-    now = {"prefill-0": ["decode-0"]}
+        if role == "decode":
+            core.pairs[("prefill-0", engine_id)] = object()
+    now = {"prefill-0": ["decode-0", "decode-1", "decode-2"]}
+
+    async def woken_by(change, known):
+        waiting = asyncio.ensure_future(coordinator.routes_after(known, 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        t0 = time.monotonic()
+        await change()
+        return await waiting, time.monotonic() - t0
 
     async def run():
         stale = await coordinator.routes_after({}, 5.0)
         t0 = time.monotonic()
         same = await coordinator.routes_after(now, 0.2)
         held = time.monotonic() - t0
-        waiting = asyncio.ensure_future(coordinator.routes_after(now, 5.0))
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
-        t0 = time.monotonic()
-        coordinator.set_state("decode-0", "draining")
-        changed = await waiting
-        return stale, same, held, changed, time.monotonic() - t0
+        async def set_state():
+            coordinator.set_state("decode-0", "draining")
 
-    stale, same, held, changed, woke = asyncio.run(run())
+        changes = [await woken_by(set_state, now)]
+        changes.append(await woken_by(lambda: coordinator.drain("decode-1"), changes[-1][0]))
+        changes.append(await woken_by(lambda: coordinator._deregister("decode-2"), changes[-1][0]))
+        return stale, same, held, changes
+
+    stale, same, held, changes = asyncio.run(run())
     assert stale == now and same == now and held >= 0.19
-    assert changed == {"prefill-0": []} and woke < 0.5
+    assert [routes for routes, _ in changes] == [{"prefill-0": ["decode-1", "decode-2"]}, {"prefill-0": ["decode-2"]},
+                                                 {"prefill-0": []}]
+    assert all(woke < 0.5 for _, woke in changes), changes
 
 
 def test_the_prefill_answer_comes_on_the_channel_and_a_client_that_leaves_cancels_it():
@@ -793,3 +807,37 @@ def test_the_prefill_answer_comes_on_the_channel_and_a_client_that_leaves_cancel
     assert asyncio.run(run()) == [5]
     assert len(p.cancelled) == 1 and router.choice.inflight["p"] == 0
     assert not router._channels["p"].inboxes  # nothing left waiting on the prefill engine's channel
+
+
+def test_a_prefill_channel_that_breaks_with_its_engine_alive_has_the_prefill_stopped_and_the_request_retried():
+    """The channel from a live prefill engine breaks while a prefill waits on it (its socket, an overflow): the
+    answer may have been lost with blocks held for it, so the prefill is cancelled on the engine (which frees them if
+    it had answered), and the request is retried on another pair."""
+
+    class Breaks(FakeEngine):
+        def submit_prefill(self, channel_id, rid, *a, **k):
+            self.channels[channel_id].put_nowait(BROKEN)
+            return _ready(None)
+
+        async def _channel(self, channel_id, address=None):
+            queue = self.channels[channel_id] = asyncio.Queue()
+            yield _ready([])
+            item = await queue.get()
+            if item is BROKEN:
+                raise RuntimeError("the decode socket from p broke")
+            yield _ready([item])
+
+    BROKEN = object()
+    p, p2, d = Breaks([]), FakeEngine([]), FakeEngine([tokens(5, finish="length")])
+    router = Router(FakeCoordinator({"p": p, "p2": p2, "d": d}, [("p", "d"), ("p2", "d")]), policy="load")
+    router.choice.pick = lambda candidates, role: sorted(candidates)[0]
+
+    async def run():
+        outs = [t for o in await collect(router) for t in o["token_ids"]]
+        for _ in range(100):
+            if p.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        return outs
+
+    assert asyncio.run(run()) == [5] and router.retried == 1 and len(p.cancelled) == 1
