@@ -30,6 +30,13 @@ log = logging.getLogger("pd.engine")
 DELIVERED_KEPT = 4096  # answered prefills whose blocks `cancel_prefill` can still free
 
 
+def _keep_latest(kept: collections.OrderedDict, key: str, value: Any) -> None:
+    """Remember `key`, forgetting the oldest past DELIVERED_KEPT."""
+    kept[key] = value
+    while len(kept) > DELIVERED_KEPT:
+        kept.popitem(last=False)
+
+
 def _ranked(step: dict[int, Any]) -> list[tuple[int, float]]:
     """One position's logprobs as (token id, logprob) pairs, best first."""
     return sorted(((tok, lp.logprob) for tok, lp in step.items()), key=lambda x: -x[1])
@@ -157,9 +164,7 @@ class EngineServing:
             return
         remote_id = prefilled.kv_transfer_params.get("remote_request_id")
         if remote_id:
-            self._delivered[request_id] = remote_id
-            while len(self._delivered) > DELIVERED_KEPT:
-                self._delivered.popitem(last=False)
+            _keep_latest(self._delivered, request_id, remote_id)
         channel.put((request_id, prefilled))
 
     async def cancel_prefill(self, request_id: str) -> None:
@@ -172,9 +177,7 @@ class EngineServing:
             return
         remote_id = self._delivered.pop(request_id, None)
         if remote_id is None:  # not submitted yet (its call overtaken by this one), or long gone
-            self._cancelled[request_id] = None
-            while len(self._cancelled) > DELIVERED_KEPT:
-                self._cancelled.popitem(last=False)
+            _keep_latest(self._cancelled, request_id, None)
         elif self._live() is not None:
             await self.release([remote_id])
 

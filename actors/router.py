@@ -244,20 +244,19 @@ class Router:
         """The routes, if the watch vouches for them: it runs on this event loop, its question is under way for no
         longer than the coordinator holds one plus ROUTES_FALLBACK_AFTER_S, and the coordinator answers (otherwise a
         request asks, with the fallback rules)."""
-        watch = self._watch
-        if (watch is None or watch.done() or watch.get_loop() is not asyncio.get_running_loop()
-                or self.coordinator_unreachable or self._routes is None):
+        if not self._watching() or self.coordinator_unreachable or self._routes is None:
             return None
         if time.monotonic() - self._watch_asked_at > WATCH_WAIT_S + ROUTES_FALLBACK_AFTER_S:
             return None
         return self._routes[1]
 
+    def _watching(self) -> bool:
+        """Whether a routes watch runs on this event loop."""
+        return self._watch is not None and not self._watch.done() and _ours(self._watch)
+
     def _start_watch(self, routes: dict[str, list[str]]) -> None:
         """Start the routes watch from an answer the coordinator just gave (none while one runs on this loop)."""
-        if not self.watch_routes:
-            return
-        watch = self._watch
-        if watch is not None and not watch.done() and watch.get_loop() is asyncio.get_running_loop():
+        if not self.watch_routes or self._watching():
             return
         self._watch_asked_at = time.monotonic()
         self._watch = asyncio.ensure_future(self._watch_routes(routes))
