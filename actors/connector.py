@@ -44,8 +44,9 @@ from vllm.logger import init_logger
 
 from actors.core_lending import borrower
 from actors.engine_report import report_from_vllm
-from actors.nixl_setup import install_progress_delay
-from cluster.core.planner import PairPlan, RequestPlan, address_rows, plan_request
+from actors.nixl_setup import agent_read_lanes, install_progress_delay, install_read_lanes
+from cluster.core.cores import CoreSpecError, rank_cores
+from cluster.core.planner import PairPlan, RequestPlan, address_rows, lane_rows, plan_request
 from cluster.core.verify import VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
 from cluster.core.wire import FIRST_TOKEN, pair_from_dict
 
@@ -101,6 +102,7 @@ check_vllm_internals()
 check_vllm_internals(NixlPullConnectorScheduler, {"_truncate_request_for_prefill": ("request",)})
 
 install_progress_delay()  # before vLLM creates this worker's NIXL agent (see actors/nixl_setup.py)
+install_read_lanes()  # likewise: one READ on as many UCX threads as the reading rank has cores
 
 # On one host UCX moves DRAM reads with its cma transport: every get is a `process_vm_readv` call, and UCX cuts each
 # get into segments of UCX_CMA_SEG_SIZE (512 KiB by default), a call apiece. A call has a fixed cost besides its bytes
@@ -212,6 +214,25 @@ def _install_free_blocks_utility() -> None:
 _install_free_blocks_utility()
 
 
+def _rank_cores() -> set[int] | None:
+    """The cores this worker's TP rank computes on (VLLM_CPU_OMP_THREADS_BIND, as vLLM's CPU worker reads it), within
+    what this process may use; None where the binding names none."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - no TP group (yet): the first list
+        rank = 0
+    try:
+        cores = rank_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""), rank)
+    except CoreSpecError:
+        return None
+    if not cores:
+        return None
+    allowed = set(cores) & set(range(os.cpu_count() or 1))
+    return allowed or None
+
+
 class PlannedPullWorker(NixlPullConnectorWorker):
     """Decode-side reads that follow the coordinator's pair plans."""
 
@@ -221,11 +242,20 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         # the model. Every TP rank's compute then shares one core while the others idle (measured: a TP 2 decode
         # engine at 25-33 ms per token instead of 12). Transfers are posted from the same thread anyway, so the
         # thread keeps the cores vLLM's CPU worker bound it to (VLLM_CPU_OMP_THREADS_BIND).
+        # The NIXL agent's UCX threads (its read lanes, actors/nixl_setup.py) are started inside vLLM's __init__ and
+        # inherit this thread's cores: for that moment the thread gets all of its rank's cores (its OpenMP binding
+        # holds it to the first), so the lanes - one per core, `install_read_lanes` - run on the rank's own cores.
         cores = os.sched_getaffinity(0)
-        with _stock_init_in_ds_terms():
-            super().__init__(*args, **kwargs)
-        if os.sched_getaffinity(0) != cores:
-            os.sched_setaffinity(0, cores)
+        own = _rank_cores()
+        if own:
+            os.sched_setaffinity(0, own)
+        try:
+            with _stock_init_in_ds_terms():
+                super().__init__(*args, **kwargs)
+        finally:
+            if os.sched_getaffinity(0) != cores:
+                os.sched_setaffinity(0, cores)
+        self._pd_lanes = agent_read_lanes(self.nixl_wrapper)
         self._pd_pairs: dict[str, PairPlan] = {}
         self._pd_remote: dict[str, list[dict[str, Any]]] = {}  # engine id -> per remote rank registration
         self._pd_inflight: dict[str, dict[str, Any]] = {}
@@ -570,7 +600,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                     if not verify:
                         self.nixl_wrapper.send_notif(agent, notif_msg=notif)
                     continue
-                rows = rows_by_rank[r]
+                rows = lane_rows(rows_by_rank[r], self._pd_lanes)  # equal shares for the READ's UCX threads
                 local = self.nixl_wrapper.get_xfer_descs(
                     np.stack([rows[:, 1], rows[:, 2], np.full(len(rows), self.device_id, np.uint64)], axis=1), self.nixl_memory_type
                 )
@@ -598,6 +628,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             "decode_rank": self.tp_rank,
             "remote_ranks": sorted(rows_by_rank),
             "descriptors": n_desc,
+            "lanes": self._pd_lanes,
             "descriptors_uncoalesced": plan.uncoalesced[self.tp_rank],
             "bytes": n_bytes,
             "tokens": plan.num_tokens,

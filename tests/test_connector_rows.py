@@ -12,7 +12,7 @@ import pytest
 from cluster.cli.bench import MODELS, sample_blocks
 from cluster.core.hf_config import load_config, model_shape, ssm_dtype
 from cluster.core.layout import offline_layout
-from cluster.core.planner import plan_pair, plan_request
+from cluster.core.planner import lane_rows, plan_pair, plan_request
 
 PAIRS = ((1, 1), (1, 2), (2, 1), (2, 4), (4, 2))
 
@@ -99,12 +99,15 @@ def test_transfer_bench_builds_the_connectors_rows():
     pb, db, pool = sample_blocks(pair, 4096, True, 2048)
     plan = plan_request(pair, pb, db, 4095)
     worker, remote_bases, local_bases = _fake_worker(pair, 0, pool)
-    side = types.SimpleNamespace(remote_bases=remote_bases,
-                                 regions=[[types.SimpleNamespace(ctypes=types.SimpleNamespace(data=b)) for b in local_bases]])
-    descs = TransferSide.__ray_actor_class__._descs(side, 0, plan.reads[0])
     rows = PlannedPullWorker._pd_rows(worker, "prefill-0", pair, plan)
-    assert descs.keys() == rows.keys()
-    for r, (loc, rem) in descs.items():
-        np.testing.assert_array_equal(rem[:, 0].astype(np.uint64), rows[r][:, 0])
-        np.testing.assert_array_equal(loc[:, 0].astype(np.uint64), rows[r][:, 1])
-        np.testing.assert_array_equal(loc[:, 1].astype(np.uint64), rows[r][:, 2])
+    for lanes in (1, 2):  # the connector posts lane_rows(rows, its lanes) (actors/nixl_setup.py)
+        side = types.SimpleNamespace(remote_bases=remote_bases, lanes=lanes,
+                                     regions=[[types.SimpleNamespace(ctypes=types.SimpleNamespace(data=b)) for b in local_bases]])
+        descs = TransferSide.__ray_actor_class__._descs(side, 0, plan.reads[0])
+        assert descs.keys() == rows.keys()
+        for r, (loc, rem) in descs.items():
+            posted = lane_rows(rows[r], lanes)
+            assert lanes == 1 or not np.array_equal(posted, rows[r])
+            np.testing.assert_array_equal(rem[:, 0].astype(np.uint64), posted[:, 0])
+            np.testing.assert_array_equal(loc[:, 0].astype(np.uint64), posted[:, 1])
+            np.testing.assert_array_equal(loc[:, 1].astype(np.uint64), posted[:, 2])

@@ -257,6 +257,34 @@ def test_transfer_statistics(pd, reference):
     assert len({s["request_id"] for s in stats}) == 1
 
 
+def test_reads_run_on_one_ucx_thread_per_core_of_the_rank(pd, reference):
+    """Read lanes (actors/nixl_setup.py): a decode rank's READ runs on one UCX thread per core its rank computes on (at
+    most MAX_READ_LANES; here the engines share the node's cores: TP 1 binds to all of them, TP 2 one apiece), laid out
+    in equal shares (`lane_rows`: a multiple of the lanes, at least LANE_MIN_ROWS per lane), and the output is still
+    the model's."""
+    from actors.nixl_setup import MAX_READ_LANES
+    from cluster.core.cores import rank_cores, shared_bind
+    from cluster.core.planner import LANE_MIN_BYTES, LANE_MIN_ROWS
+
+    prompt = prompts(seed=9, lengths=(1500,))[0]  # ~2 MB of state and KV: past LANE_MIN_BYTES at decode TP 1
+    split = 0
+    for d_tp in (1, 2):
+        decode = pd.engines[("decode", d_tp)]
+        ray.get(decode.transfer_stats())  # drain earlier requests
+        assert asyncio.run(run_pair(pd.routers["decode"], "prefill-tp1", f"decode-tp{d_tp}", prompt)) == oracle(prompt)
+        stats = ray.get(decode.transfer_stats())
+        assert sorted(s["decode_rank"] for s in stats) == list(range(d_tp))
+        bind = shared_bind(sorted(os.sched_getaffinity(0)), d_tp)
+        for s in stats:
+            lanes = min(len(rank_cores(bind, s["decode_rank"])), MAX_READ_LANES)
+            assert s["ok"] and s["lanes"] == lanes, (d_tp, s)
+            if lanes > 1 and s["bytes"] >= LANE_MIN_BYTES:
+                assert s["descriptors"] % lanes == 0 and s["descriptors"] >= lanes * LANE_MIN_ROWS, s
+                split += 1
+    if len(os.sched_getaffinity(0)) > 1:
+        assert split, "no READ was laid out for lanes: the decode TP 1 engine binds to every core here"
+
+
 def test_the_data_path_reads_by_the_negotiated_layout(pd, reference):
     """Not decoration: re-register the TP 1 prefill engine with a wrong layout. Its kernel block halved
     (physical_blocks_per_logical 2 instead of 1) is refused outright - CPU attention pages cannot be remapped between

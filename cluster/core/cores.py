@@ -74,3 +74,14 @@ def shared_bind(cores: tuple[int, ...] | list[int], tp: int) -> str:
     if tp > len(ids):
         return "|".join(str(ids[r % len(ids)]) for r in range(tp))
     return omp_bind(ids[:len(ids) - len(ids) % tp], tp)
+
+
+def rank_cores(bind: str, rank: int) -> tuple[int, ...] | None:
+    """The cores TP rank `rank` computes on under a VLLM_CPU_OMP_THREADS_BIND `bind` ("0-1", "0|1", "4-5|6-7"): its
+    '|'-separated list (vLLM indexes them by local rank; one list serves every rank). None where the binding names
+    no cores ("auto", "nobind", unset)."""
+    bind = bind.strip()
+    if bind in ("", "auto", "nobind"):
+        return None
+    lists = bind.split("|")
+    return parse_cores(lists[rank] if rank < len(lists) else lists[0])

@@ -433,3 +433,60 @@ def plan_request(
         reads.append(tuple(RegionReads(regs, coalesce(np.concatenate(parts))) for regs, parts in by_regions.items()))
         uncoalesced.append(baseline)
     return RequestPlan(num_tokens, start, end, tuple(reads), tuple(uncoalesced))
+
+
+# ---- read lanes: one read split into equal shares for NIXL's UCX threads ---------------------------------------------
+LANE_MIN_BYTES = 1 << 20  # a read smaller than this stays as planned: a share would cost more to hand off than it saves
+LANE_MIN_ROWS = 8  # NIXL's UCX `split_batch_size` that goes with lane_rows (see actors/nixl_setup.py)
+LANE_PIECES = 8  # rows longer than 1/(LANE_PIECES x lanes) of the read are cut: bounds the imbalance between lanes
+LANE_ALIGN = 64  # cuts fall on cache lines
+
+
+def lane_rows(rows: np.ndarray, lanes: int) -> np.ndarray:
+    """Rows of (remote address, local address, bytes) - one READ - reordered, and long rows cut, so that NIXL's UCX
+    thread pool, which splits a READ of n descriptors into `lanes` runs of n / lanes consecutive descriptors (one per
+    UCX worker thread, each run a copy of its own), gives every thread the same number of bytes within 1/LANE_PIECES
+    of a share. The result has a multiple of `lanes` rows, at least lanes x LANE_MIN_ROWS of them, and moves exactly
+    the bytes of `rows` (same destination for every source byte). Reads under LANE_MIN_BYTES, or `lanes` <= 1, come
+    back unchanged.
+
+    Whole-array operations (this runs for every request in the decode engine's step): rows longer than the cap are
+    cut into cap-sized pieces, the pieces sorted by size and dealt to lanes in snake order (0..L-1, L-1..0, ...), which
+    keeps the lanes' byte totals within one piece of each other; each lane's pieces in address order."""
+    if lanes <= 1 or not len(rows):
+        return rows
+    sizes = rows[:, 2].astype(np.int64)
+    total = int(sizes.sum())
+    if total < LANE_MIN_BYTES:
+        return rows
+    want_rows = lanes * LANE_MIN_ROWS
+    cap = max(LANE_ALIGN, (total // (lanes * max(LANE_PIECES, LANE_MIN_ROWS))) // LANE_ALIGN * LANE_ALIGN)
+    pieces = -(-sizes // cap)
+    n = int(pieces.sum())
+    extra = (-max(n, want_rows)) % lanes + max(0, want_rows - n)  # rows to add: at least want_rows, a multiple of lanes
+    if extra:  # one more cut apiece in the largest rows, round the rows again if there are fewer rows than cuts
+        order = np.argsort(-sizes, kind="stable")
+        np.add.at(pieces, order[np.arange(extra) % len(order)], 1)
+        n += extra
+    owner = np.repeat(np.arange(len(rows)), pieces)
+    first = np.cumsum(pieces) - pieces  # index of each row's first piece
+    k = np.arange(n) - first[owner]  # piece number within its row
+    piece = -(-sizes // pieces)  # each row cut in `pieces` parts of this size (the last one shorter)
+    piece = -(-piece // LANE_ALIGN) * LANE_ALIGN
+    start = np.minimum(k * piece[owner], sizes[owner])
+    length = np.minimum(piece[owner], sizes[owner] - start)
+    keep = length > 0
+    if not keep.all():  # alignment left a row with fewer real pieces: refill to a multiple of lanes by plain cuts
+        owner, start, length = owner[keep], start[keep], length[keep]
+        n = len(owner)
+        if n % lanes or n < want_rows:
+            return rows
+    out = np.empty((n, 3), rows.dtype)
+    out[:, 0] = rows[owner, 0] + start.astype(rows.dtype)
+    out[:, 1] = rows[owner, 1] + start.astype(rows.dtype)
+    out[:, 2] = length.astype(rows.dtype)
+    by_size = np.argsort(-length, kind="stable")
+    rnd, pos = np.divmod(np.arange(n), lanes)
+    lane = np.empty(n, np.int64)
+    lane[by_size] = np.where(rnd % 2 == 0, pos, lanes - 1 - pos)
+    return out[np.lexsort((out[:, 1], lane))]

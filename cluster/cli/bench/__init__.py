@@ -226,6 +226,8 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
                     post = statistics.median(r["post_s"] for r in runs)
                     wire = statistics.median(r["wire_s"] for r in runs)
                     memcpy = ray.get(D.memcpy.remote(nbytes))
+                    lanes = first["lanes"]
+                    memcpy_lanes = ray.get(D.memcpy.remote(nbytes, lanes)) if lanes > 1 else memcpy
                     row = {
                         "model": name, "prefill_tp": p_tp, "decode_tp": d_tp, "prompt_tokens": n,
                         "blocks": "scattered" if scattered else "consecutive",
@@ -234,6 +236,9 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
                         "nixl_gbps": round(nbytes / post / 1e9, 2), "nixl_wire_gbps": round(nbytes / wire / 1e9, 2),
                         "memcpy_ms": round(memcpy * 1e3, 2), "memcpy_gbps": round(nbytes / memcpy / 1e9, 2),
                         "ratio_to_memcpy": round(memcpy / post, 3),
+                        "lanes": lanes, "memcpy_lanes_gbps": round(nbytes / memcpy_lanes / 1e9, 2),
+                        "ratio_to_memcpy_lanes": round(memcpy_lanes / post, 3),
+                        "descriptors_posted": first["posted"],
                         "descriptors": sum(plan.descriptors(r) for r in range(d_tp)),
                         "descriptors_uncoalesced": sum(plan.uncoalesced),
                         "descriptors_naive": sum(naive_descriptors(pair, plan, r) for r in range(d_tp)),
@@ -243,7 +248,8 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
                     row["naive_over_descriptors"] = round(row["descriptors_naive"] / row["descriptors"], 1)
                     rows.append(row)
                     print(f"  {name} P{p_tp}->D{d_tp} {n:>6} tokens {row['blocks'][:5]}: {nbytes / 2**20:6.1f} MiB  NIXL {row['nixl_gbps']:6.2f} GB/s "
-                          f"(wire {row['nixl_wire_gbps']:6.2f})  memcpy {row['memcpy_gbps']:6.2f} GB/s  ratio {row['ratio_to_memcpy']:.2f}  "
+                          f"(wire {row['nixl_wire_gbps']:6.2f}, {lanes} lanes)  memcpy {row['memcpy_gbps']:6.2f} GB/s  ratio {row['ratio_to_memcpy']:.2f}"
+                          f" ({lanes} threads: {row['memcpy_lanes_gbps']:6.2f}, {row['ratio_to_memcpy_lanes']:.2f})  "
                           f"descriptors {row['descriptors']} (naive {row['descriptors_naive']})  plan {row['plan_us']} us", flush=True)
             finally:
                 ray.kill(P)

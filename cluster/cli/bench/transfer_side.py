@@ -4,12 +4,15 @@ memory per TP rank, laid out as `cluster.core.layout` lays out a real model, eac
 The prefill side fills its regions with noise; the decode side reads a request's full hybrid state (conv + recurrent
 state of every GDN layer, KV of every attention layer) with NIXL READs built from the planner's byte ranges, one
 transfer per (decode rank, prefill rank), exactly as the engines' connector posts them. `verify` compares checksums of
-every read range on both sides; `memcpy` measures a single-process copy of the same number of bytes (the ceiling).
+every read range on both sides; `memcpy` measures a single-process copy of the same number of bytes (the ceiling), in
+one thread and in as many threads as a READ has lanes (UCX threads: `actors.nixl_setup.install_read_lanes`, one per
+core this actor may run on, as a decode rank gets one per core it owns).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 import zlib
@@ -17,9 +20,9 @@ import zlib
 import numpy as np
 import ray
 
-from actors.nixl_setup import install_progress_delay
+from actors.nixl_setup import agent_read_lanes, install_progress_delay, install_read_lanes
 from cluster.core.layout import EngineLayout
-from cluster.core.planner import address_rows
+from cluster.core.planner import address_rows, lane_rows
 
 
 @ray.remote(num_cpus=0)
@@ -28,6 +31,7 @@ class TransferSide:
         from nixl._api import nixl_agent, nixl_agent_config
 
         install_progress_delay()
+        install_read_lanes()
         # one cma call per descriptor, as in the engines' workers (actors.connector.CMA_SEG_SIZE, which sets it there:
         # that module imports vLLM, which this actor does not need)
         os.environ.setdefault("UCX_CMA_SEG_SIZE", "1G")
@@ -51,6 +55,7 @@ class TransferSide:
             self.names.append(name)
         self.remote: list[str] = []
         self.remote_bases: list[list[int]] = []
+        self.lanes = agent_read_lanes(self.agents[0])
 
     def metadata(self) -> list[tuple[bytes, list[int]]]:
         """Per rank: NIXL agent metadata and the base address of every region."""
@@ -66,12 +71,13 @@ class TransferSide:
 
     def _descs(self, rank: int, reads) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per remote rank: (local, remote) Nx3 (address, length, device) arrays of one decode rank's reads, built as
-        the connector builds them (`PlannedPullWorker._pd_rows`): a planner row pattern at a time over all its regions
-        and remote ranks with whole-array operations."""
+        the connector builds them (`PlannedPullWorker._pd_rows`, then `lane_rows` for the agent's lanes): a planner row
+        pattern at a time over all its regions and remote ranks with whole-array operations."""
         local_bases = np.array([m.ctypes.data for m in self.regions[rank]], np.int64)
         remote_bases = np.array(self.remote_bases, np.int64)  # (remote rank, region)
         out = {}
         for r, part in address_rows(reads, remote_bases, local_bases).items():
+            part = lane_rows(part, self.lanes)
             zeros = np.zeros(len(part), np.int64)
             out[r] = (np.stack([part[:, 1], part[:, 2], zeros], axis=1), np.stack([part[:, 0], part[:, 2], zeros], axis=1))
         return out
@@ -81,9 +87,10 @@ class TransferSide:
         `post_s` from the first descriptor build to all transfers complete (what a request pays), `wire_s` from the
         first `transfer()` call to completion."""
         t0 = time.perf_counter()
-        handles = []
+        handles, posted = [], 0
         for rank, agent in enumerate(self.agents):
             for remote_rank, (loc, rem) in self._descs(rank, plan.reads[rank]).items():
+                posted += len(loc)
                 local = agent.get_xfer_descs(loc, "DRAM")
                 remote = agent.get_xfer_descs(rem, "DRAM")
                 handles.append((agent, agent.initialize_xfer("READ", local, remote, self.remote[remote_rank])))
@@ -94,7 +101,7 @@ class TransferSide:
             if state == "ERR":
                 raise RuntimeError("NIXL transfer failed to post")
             pending.append((agent, h))
-        while pending:
+        while pending:  # yielding between checks: a busy poll takes a core from the READ's own UCX threads (lanes)
             still = []
             for agent, h in pending:
                 state = agent.check_xfer_state(h)
@@ -103,10 +110,12 @@ class TransferSide:
                 if state != "DONE":
                     still.append((agent, h))
             pending = still
+            if pending:
+                os.sched_yield()
         t2 = time.perf_counter()
         for agent, h in handles:
             agent.release_xfer_handle(h)
-        return {"post_s": t2 - t0, "wire_s": t2 - t1, "transfers": len(handles)}
+        return {"post_s": t2 - t0, "wire_s": t2 - t1, "transfers": len(handles), "posted": posted, "lanes": self.lanes}
 
     def checksums(self, plan, side: str) -> list[int]:
         """CRC of every read range, on the prefill (`side="remote"`) or decode (`side="local"`) memory."""
@@ -125,14 +134,25 @@ class TransferSide:
             for m in regs:
                 m[:] = 0
 
-    def memcpy(self, nbytes: int, reps: int = 3) -> float:
-        """Best seconds of one contiguous copy of `nbytes` in this process (the transfer's ceiling)."""
+    def memcpy(self, nbytes: int, threads: int = 1, reps: int = 3) -> float:
+        """Best seconds of one contiguous copy of `nbytes` in this process (the transfer's ceiling), by `threads`
+        threads each copying an equal slice (numpy releases the GIL while it copies)."""
         src = np.ones(nbytes, np.uint8)
         dst = np.empty(nbytes, np.uint8)
+        cuts = [nbytes * i // threads for i in range(threads + 1)]
+
+        def part(i: int) -> None:
+            np.copyto(dst[cuts[i]:cuts[i + 1]], src[cuts[i]:cuts[i + 1]])
+
         best = float("inf")
         for _ in range(reps):
+            workers = [threading.Thread(target=part, args=(i,)) for i in range(1, threads)]
             t0 = time.perf_counter()
-            np.copyto(dst, src)
+            for w in workers:
+                w.start()
+            part(0)
+            for w in workers:
+                w.join()
             best = min(best, time.perf_counter() - t0)
         return best
 

@@ -1,0 +1,207 @@
+"""Read lanes: one NIXL READ run on several UCX threads (actors/nixl_setup.py `install_read_lanes`), its descriptors laid
+out by `cluster.core.planner.lane_rows` so that every thread copies an equal share.
+
+Pure parts: `lane_rows` moves exactly the bytes it is given (every source byte to the same destination, once), in a
+multiple of `lanes` rows whose consecutive runs carry equal bytes; `rank_cores` reads a rank's cores from vLLM's
+binding; `read_lanes` refuses a bad PD_NIXL_READ_LANES. Real NIXL: two processes, a READ laid out for two lanes with a
+notification, every byte compared (and the comparison shown to see a dropped piece)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from cluster.core.cores import CoreSpecError, rank_cores
+from cluster.core.planner import LANE_ALIGN, LANE_MIN_BYTES, LANE_MIN_ROWS, LANE_PIECES, lane_rows
+
+NBYTES = 24 << 20
+
+
+def _rows(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.ndarray:
+    """n disjoint (remote, local, bytes) rows with random sizes in [lo, hi), in a random order."""
+    sizes = rng.integers(lo, hi, n)
+    gaps = rng.integers(0, 4096, n)
+    local = (1 << 32) + np.cumsum(np.r_[0, (sizes + gaps)[:-1]])
+    remote = (5 << 32) + rng.permutation(n) * int(hi + 4096)
+    order = rng.permutation(n)
+    return np.stack([remote[order], local[order], sizes[order]], axis=1).astype(np.uint64)
+
+
+def _byte_map(rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """The rows as maximal (local start, local end, remote - local) runs: equal for two layouts that move the same bytes
+    to the same places."""
+    spans = sorted((int(l), int(l + n), int(r) - int(l)) for r, l, n in rows.tolist() if n)
+    merged: list[list[int]] = []
+    for start, end, shift in spans:
+        if merged and merged[-1][1] == start and merged[-1][2] == shift:
+            merged[-1][1] = end
+        else:
+            assert not merged or start >= merged[-1][1], "two rows write the same bytes"
+            merged.append([start, end, shift])
+    return [tuple(m) for m in merged]
+
+
+@pytest.mark.parametrize("lanes", [2, 3, 4])
+@pytest.mark.parametrize("shape", ["few large", "many small", "one huge", "mixed"])
+def test_lane_rows_move_the_same_bytes_in_equal_shares(lanes: int, shape: str) -> None:
+    rng = np.random.default_rng(lanes * 100 + len(shape))
+    rows = {
+        "few large": lambda: _rows(rng, 5, 1 << 20, 8 << 20),
+        "many small": lambda: _rows(rng, 600, 512, 16 << 10),
+        "one huge": lambda: _rows(rng, 1, 40 << 20, (40 << 20) + 1),
+        "mixed": lambda: np.concatenate([_rows(rng, 3, 4 << 20, 12 << 20), _rows(rng, 200, 256, 4096)]),
+    }[shape]()
+    if shape == "mixed":  # two generators: make the local ranges disjoint again
+        rows[3:, 1] += np.uint64(1 << 31)
+    out = lane_rows(rows, lanes)
+    assert _byte_map(out) == _byte_map(rows)
+    assert int(out[:, 2].sum()) == int(rows[:, 2].sum())
+    n = len(out)
+    assert n % lanes == 0 and n >= lanes * LANE_MIN_ROWS
+    shares = [int(out[i * n // lanes:(i + 1) * n // lanes, 2].sum()) for i in range(lanes)]
+    total = sum(shares)
+    # NIXL gives thread i the rows [i n/lanes, (i+1) n/lanes): each run within one piece (<= total/(lanes x
+    # LANE_PIECES), rounded to a cache line) of an equal share
+    slack = total / (lanes * LANE_PIECES) + LANE_ALIGN
+    assert max(shares) - min(shares) <= slack, shares
+    # the cuts fall on cache lines: every piece starts a multiple of LANE_ALIGN bytes into the row it was cut from
+    by_start = rows[np.argsort(rows[:, 1])]
+    src = np.searchsorted(by_start[:, 1], out[:, 1], side="right") - 1
+    assert np.all((out[:, 1] - by_start[src, 1]) % LANE_ALIGN == 0)
+
+
+def test_small_reads_and_one_lane_are_left_as_planned() -> None:
+    rng = np.random.default_rng(3)
+    small = _rows(rng, 20, 512, 4096)
+    assert int(small[:, 2].sum()) < LANE_MIN_BYTES
+    assert lane_rows(small, 2) is small
+    large = _rows(rng, 20, 1 << 20, 2 << 20)
+    assert lane_rows(large, 1) is large
+    assert lane_rows(large[:0], 4) is not None and len(lane_rows(large[:0], 4)) == 0
+
+
+def test_rank_cores_follow_vllms_binding() -> None:
+    assert rank_cores("0-1", 0) == (0, 1)
+    assert rank_cores("0|1", 1) == (1,)
+    assert rank_cores("4-5|6-7", 1) == (6, 7)
+    assert rank_cores("2-3", 3) == (2, 3)  # one list serves every rank
+    assert rank_cores("auto", 0) is None and rank_cores("", 0) is None and rank_cores("nobind", 1) is None
+    with pytest.raises(CoreSpecError):
+        rank_cores("0-x", 0)
+
+
+def test_read_lanes_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from actors.nixl_setup import MAX_READ_LANES, READ_LANES_ENV, read_lanes
+
+    monkeypatch.setenv(READ_LANES_ENV, "3")
+    assert read_lanes() == min(3, MAX_READ_LANES)
+    monkeypatch.setenv(READ_LANES_ENV, "64")
+    assert read_lanes() == MAX_READ_LANES
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(READ_LANES_ENV, bad)
+        with pytest.raises(ValueError, match=READ_LANES_ENV):
+            read_lanes()
+    monkeypatch.delenv(READ_LANES_ENV)
+    assert read_lanes() == min(len(os.sched_getaffinity(0)), MAX_READ_LANES)
+
+
+# ---- real NIXL: a READ split over two UCX threads ---------------------------------------------------------------------
+def _agent(name: str, lanes: int):
+    os.environ["PD_NIXL_READ_LANES"] = str(lanes)
+    from actors.nixl_setup import install_progress_delay, install_read_lanes
+
+    install_progress_delay()
+    install_read_lanes()  # as actors/connector.py does before vLLM creates its agents
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def _target(to_initiator, from_initiator, results) -> None:
+    src = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
+    agent = _agent("lanes-target", 1)
+    agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+    to_initiator.put((agent.get_agent_metadata(), src.ctypes.data))
+    from_initiator.get()
+    results.put(sorted(m.decode() for msgs in agent.get_new_notifs().values() for m in msgs))
+
+
+def _initiator(to_initiator, from_initiator, results) -> None:
+    import time
+
+    from actors.nixl_setup import agent_read_lanes
+
+    meta, base = to_initiator.get()
+    expected = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
+    # the threads an agent starts without lanes (its progress thread; the first agent also starts UCX's own)
+    one_lane = [_agent("one-lane-a", 1)]
+    threads = [len(os.listdir("/proc/self/task"))]
+    one_lane.append(_agent("one-lane-b", 1))
+    threads.append(len(os.listdir("/proc/self/task")))
+    agent = _agent("lanes-initiator", 2)
+    threads.append(len(os.listdir("/proc/self/task")))
+    ucx_threads = (threads[2] - threads[1]) - (threads[1] - threads[0])  # the lanes' own threads
+    dst = np.zeros(NBYTES, np.uint8)
+    agent.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    peer = agent.add_remote_agent(meta)
+    # a request's READ as the planner shapes one: a few long runs (attention blocks) and many short slices (state)
+    rng = np.random.default_rng(11)
+    sizes = np.r_[rng.integers(1 << 20, 4 << 20, 4), rng.integers(64, 8192, 150)]
+    offsets = np.cumsum(np.r_[0, (sizes + 4096)[:-1]])
+    assert offsets[-1] + sizes[-1] < NBYTES
+    remote_off = rng.permutation(offsets)  # remote ranges elsewhere than the local ones, same sizes
+    order = np.argsort(remote_off)
+    remote_off = np.cumsum(np.r_[0, (sizes[order] + 512)[:-1]])[np.argsort(order)]
+    rows = np.stack([base + remote_off, dst.ctypes.data + offsets, sizes], axis=1).astype(np.uint64)
+    laid = lane_rows(rows, agent_read_lanes(agent))
+    outcomes = {}
+    for label, use in (("lanes", laid), ("a piece dropped", laid[:-1])):
+        dst[:] = 0
+        zeros = np.zeros((len(use), 1), np.uint64)
+        local = agent.get_xfer_descs(np.hstack([use[:, 1:2], use[:, 2:3], zeros]), "DRAM")
+        remote = agent.get_xfer_descs(np.hstack([use[:, 0:1], use[:, 2:3], zeros]), "DRAM")
+        handle = agent.initialize_xfer("READ", local, remote, peer, label.encode())
+        state, t0 = agent.transfer(handle), time.monotonic()
+        while state not in ("DONE", "ERR") and time.monotonic() - t0 < 30:
+            state = agent.check_xfer_state(handle)
+            time.sleep(0.001)
+        agent.release_xfer_handle(handle)
+        want = np.zeros(NBYTES, np.uint8)
+        for r, l, n in rows.tolist():
+            want[l - dst.ctypes.data:l - dst.ctypes.data + n] = expected[r - base:r - base + n]
+        outcomes[label] = {"state": state, "equal": bool(np.array_equal(dst, want)),
+                           "moved": int(np.count_nonzero(dst != 0))}
+    del one_lane
+    results.put({"lanes": agent_read_lanes(agent), "rows": len(rows), "laid": len(laid), "ucx_threads": ucx_threads,
+                 "outcomes": outcomes})
+    from_initiator.put("done")
+
+
+def test_a_read_split_over_two_ucx_threads_moves_every_byte() -> None:
+    ctx = mp.get_context("spawn")
+    to_initiator, from_initiator, results, notifs = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    target = ctx.Process(target=_target, args=(to_initiator, from_initiator, notifs), daemon=True)
+    initiator = ctx.Process(target=_initiator, args=(to_initiator, from_initiator, results), daemon=True)
+    target.start()
+    initiator.start()
+    try:
+        got = results.get(timeout=180)
+        delivered = notifs.get(timeout=30)
+    finally:
+        for p in (initiator, target):
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    assert got["lanes"] == 2
+    assert got["ucx_threads"] >= 2, f"NIXL started {got['ucx_threads']} more threads for a 2-lane UCX backend than for one"
+    assert got["laid"] % 2 == 0 and got["laid"] >= 2 * LANE_MIN_ROWS and got["laid"] != got["rows"]
+    ok = got["outcomes"]["lanes"]
+    assert ok["state"] == "DONE" and ok["equal"], ok
+    # the oracle sees every piece: the same READ less its last piece leaves bytes unread
+    broken = got["outcomes"]["a piece dropped"]
+    assert broken["state"] == "DONE" and not broken["equal"] and broken["moved"] < ok["moved"], broken
+    # one notification per READ, sent by NIXL when all of its threads' runs are done
+    assert delivered == sorted(["lanes", "a piece dropped"])
