@@ -41,12 +41,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBase
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 
 from actors.core_lending import borrower
 from actors.engine_report import report_from_vllm
 from actors.nixl_setup import agent_read_lanes, install_progress_delay, install_read_lanes
 from cluster.core.cores import CoreSpecError, rank_cores
-from cluster.core.planner import PairPlan, RequestPlan, address_rows, lane_rows, plan_request
+from cluster.core.planner import LANE_MIN_ROWS, PairPlan, RequestPlan, address_rows, lane_rows, plan_request
 from cluster.core.verify import VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
 from cluster.core.wire import FIRST_TOKEN, pair_from_dict
 
@@ -102,7 +103,8 @@ check_vllm_internals()
 check_vllm_internals(NixlPullConnectorScheduler, {"_truncate_request_for_prefill": ("request",)})
 
 install_progress_delay()  # before vLLM creates this worker's NIXL agent (see actors/nixl_setup.py)
-install_read_lanes()  # likewise: one READ on as many UCX threads as the reading rank has cores
+if current_platform.is_cpu():  # likewise: one READ on as many UCX threads as the reading rank has cores (DRAM)
+    install_read_lanes()
 
 # On one host UCX moves DRAM reads with its cma transport: every get is a `process_vm_readv` call, and UCX cuts each
 # get into segments of UCX_CMA_SEG_SIZE (512 KiB by default), a call apiece. A call has a fixed cost besides its bytes
@@ -215,22 +217,29 @@ _install_free_blocks_utility()
 
 
 def _rank_cores() -> set[int] | None:
-    """The cores this worker's TP rank computes on (VLLM_CPU_OMP_THREADS_BIND, as vLLM's CPU worker reads it), within
-    what this process may use; None where the binding names none."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    """The cores this worker's rank computes on (its VLLM_CPU_OMP_THREADS_BIND list, as vLLM's CPU executor reads it);
+    None where the binding names none."""
+    try:  # vLLM's CPU executor hands out the lists by local rank
+        from vllm.distributed.parallel_state import get_world_group
 
-        rank = get_tensor_model_parallel_rank()
-    except Exception:  # noqa: BLE001 - no TP group (yet): the first list
+        rank = get_world_group().local_rank
+    except Exception:  # noqa: BLE001 - no process group (yet): the first list
         rank = 0
     try:
         cores = rank_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""), rank)
     except CoreSpecError:
         return None
-    if not cores:
-        return None
-    allowed = set(cores) & set(range(os.cpu_count() or 1))
-    return allowed or None
+    return set(cores) if cores else None
+
+
+def _lane_bytes(rows: np.ndarray, lanes: int) -> list[int]:
+    """The bytes of each run NIXL's UCX thread pool gives a thread of a READ of `rows` (runs of n / lanes descriptors
+    when n >= lanes x LANE_MIN_ROWS, as `lane_rows` lays a READ out); [] where it does not split the READ that way."""
+    n = len(rows)
+    if lanes <= 1 or n < lanes * LANE_MIN_ROWS:
+        return []
+    size = n // lanes
+    return [int(rows[i * size:(i + 1) * size if i < lanes - 1 else n, 2].sum()) for i in range(lanes)]
 
 
 class PlannedPullWorker(NixlPullConnectorWorker):
@@ -247,8 +256,12 @@ class PlannedPullWorker(NixlPullConnectorWorker):
         # holds it to the first), so the lanes - one per core, `install_read_lanes` - run on the rank's own cores.
         cores = os.sched_getaffinity(0)
         own = _rank_cores()
-        if own:
-            os.sched_setaffinity(0, own)
+        if own and own != cores:
+            try:
+                os.sched_setaffinity(0, own)
+            except OSError as e:  # cores outside this process's cpuset: the lanes follow the thread's own cores
+                logger.warning("NIXL read lanes: cannot run on the rank's cores %s (%s); using %s", sorted(own), e,
+                               sorted(cores))
         try:
             with _stock_init_in_ds_terms():
                 super().__init__(*args, **kwargs)
@@ -588,6 +601,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             self._handle_failed_transfer(req_id, None, self._recv_failures)
             return
         n_desc = n_bytes = 0
+        lane_bytes: list[list[int]] = []
         for r in pair.notify_ranks(self.tp_rank):
             handle = None
             try:
@@ -613,6 +627,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                 self._recving_transfers[req_id].append(handle)
                 n_desc += len(rows)
                 n_bytes += int(rows[:, 2].sum())
+                lane_bytes.append(_lane_bytes(rows, self._pd_lanes))
             except Exception as e:  # noqa: BLE001
                 self._log_failure(failure_type="transfer_setup_failed", req_id=req_id, error=e, dst_engine_id=engine_id, remote_rank=r)
                 if not self._handle_failed_transfer(req_id, handle, self._recv_failures) and handle is not None:
@@ -629,6 +644,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
             "remote_ranks": sorted(rows_by_rank),
             "descriptors": n_desc,
             "lanes": self._pd_lanes,
+            "lane_bytes": lane_bytes,
             "descriptors_uncoalesced": plan.uncoalesced[self.tp_rank],
             "bytes": n_bytes,
             "tokens": plan.num_tokens,

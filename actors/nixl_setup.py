@@ -42,18 +42,20 @@ def install_progress_delay(delay_us: int = PROGRESS_DELAY_US) -> None:
 
 
 # ---- read lanes -------------------------------------------------------------------------------------------------------
-# On one host a NIXL READ of DRAM is UCX's cma transport: a `process_vm_readv` per descriptor, made by the thread that
-# posts the READ (the copy is done when `transfer()` returns). One kernel copy stream ran at 5.3-6.6 GB/s here whatever
-# the descriptor count, against 7-13 GB/s for a memcpy in one thread; two streams on two cores at 11.7-12.9 GB/s
-# (raw `process_vm_readv` between two processes, 34 and 214 MiB). NIXL's UCX backend can run one READ on several
-# threads: with `num_threads` > 0 it keeps that many UCX workers, each on a thread of its own, and splits a READ of at
-# least `split_batch_size` descriptors into runs of n / num_threads consecutive descriptors, a run per thread, the
-# READ's notification sent when all are done. vLLM creates its agents with num_threads 4 (its default) and NIXL's
-# split_batch_size is 1024, more descriptors than a request's READ has here: no READ was ever split.
-# `install_read_lanes` sets both for UCX agents this process creates from then on: one thread ("lane") per core the
-# creating thread may run on (a decode rank's own cores; PD_NIXL_READ_LANES overrides, at most MAX_READ_LANES), and
+# On one host a NIXL READ of DRAM is UCX's cma transport: a `process_vm_readv` per descriptor, a kernel copy made by
+# the UCX worker's thread. One such copy stream ran at 5.3-6.6 GB/s here whatever the descriptor count, against 7-13
+# GB/s for a memcpy in one thread; two streams on two cores at 11.7-12.9 GB/s (raw `process_vm_readv` between two
+# processes, 34 and 214 MiB). NIXL's UCX backend can run one READ on several threads: with `num_threads` > 0 it keeps
+# that many UCX workers, each on a thread of its own, and splits a READ of at least `split_batch_size` descriptors into
+# runs of max(n / num_threads, split_batch_size) consecutive descriptors, a run per thread, the READ's notification
+# sent when all are done. vLLM creates its agents with num_threads 4 (its default) and NIXL's split_batch_size is
+# 1024, more descriptors than a request's READ has here: no READ was ever split. `install_read_lanes` (CPU hosts: the
+# connector installs it there only) sets both for UCX agents this process creates from then on: one thread ("lane")
+# per core the creating thread may run on - the connector gives it its rank's cores for that moment, so a prefill
+# rank's agent gets lanes too and leaves them idle - (PD_NIXL_READ_LANES overrides; at most MAX_READ_LANES), and
 # split_batch_size = cluster.core.planner.LANE_MIN_ROWS; `cluster.core.planner.lane_rows` lays each READ out so that
-# the runs carry equal bytes. One lane (a rank on one core) leaves vLLM's settings as they were.
+# the runs carry equal bytes. One lane (a rank on one core) leaves the backend's settings as given (vLLM's 4 threads,
+# which split only READs of 1024 descriptors or more).
 READ_LANES_ENV = "PD_NIXL_READ_LANES"
 MAX_READ_LANES = 4  # vLLM's own UCX thread count, kept as the ceiling (each UCX worker takes NIC resources on RDMA hosts)
 
@@ -74,7 +76,7 @@ def read_lanes() -> int:
 
 
 def agent_read_lanes(agent: Any) -> int:
-    """The lanes `install_read_lanes` gave this agent's UCX backend (1: READs not split)."""
+    """The lanes `install_read_lanes` gave this agent's UCX backend (1: its settings left as given)."""
     return int(getattr(agent, "_pd_read_lanes", 1))
 
 
@@ -99,7 +101,8 @@ def install_read_lanes() -> None:
                 params["num_threads"] = str(lanes)
                 params["split_batch_size"] = str(LANE_MIN_ROWS)
         stock(self, backend, params)
-        self._pd_read_lanes = lanes
+        if backend == "UCX":
+            self._pd_read_lanes = lanes
 
     create_backend._pd_lanes = True  # type: ignore[attr-defined]
     cls.create_backend = create_backend

@@ -264,7 +264,7 @@ def test_reads_run_on_one_ucx_thread_per_core_of_the_rank(pd, reference):
     the model's."""
     from actors.nixl_setup import MAX_READ_LANES
     from cluster.core.cores import rank_cores, shared_bind
-    from cluster.core.planner import LANE_MIN_BYTES, LANE_MIN_ROWS
+    from cluster.core.planner import LANE_ALIGN, LANE_MIN_BYTES, LANE_MIN_ROWS, LANE_PIECES
 
     prompt = prompts(seed=9, lengths=(1500,))[0]  # ~2 MB of state and KV: past LANE_MIN_BYTES at decode TP 1
     split = 0
@@ -280,6 +280,9 @@ def test_reads_run_on_one_ucx_thread_per_core_of_the_rank(pd, reference):
             assert s["ok"] and s["lanes"] == lanes, (d_tp, s)
             if lanes > 1 and s["bytes"] >= LANE_MIN_BYTES:
                 assert s["descriptors"] % lanes == 0 and s["descriptors"] >= lanes * LANE_MIN_ROWS, s
+                # each of NIXL's runs (one per UCX thread) carries an equal share, within one piece
+                for runs in s["lane_bytes"]:
+                    assert len(runs) == lanes and max(runs) - min(runs) <= sum(runs) / (lanes * LANE_PIECES) + LANE_ALIGN, s
                 split += 1
     if len(os.sched_getaffinity(0)) > 1:
         assert split, "no READ was laid out for lanes: the decode TP 1 engine binds to every core here"

@@ -436,51 +436,62 @@ def plan_request(
 
 
 # ---- read lanes: one read split into equal shares for NIXL's UCX threads ---------------------------------------------
-LANE_MIN_BYTES = 1 << 20  # a read smaller than this stays as planned: a share would cost more to hand off than it saves
+LANE_MIN_BYTES = 1 << 20  # a read this large is cut into at least LANE_MIN_ROWS rows per lane, so that NIXL splits it
 LANE_MIN_ROWS = 8  # NIXL's UCX `split_batch_size` that goes with lane_rows (see actors/nixl_setup.py)
 LANE_PIECES = 8  # rows longer than 1/(LANE_PIECES x lanes) of the read are cut: bounds the imbalance between lanes
 LANE_ALIGN = 64  # cuts fall on cache lines
 
 
 def lane_rows(rows: np.ndarray, lanes: int) -> np.ndarray:
-    """Rows of (remote address, local address, bytes) - one READ - reordered, and long rows cut, so that NIXL's UCX
-    thread pool, which splits a READ of n descriptors into `lanes` runs of n / lanes consecutive descriptors (one per
-    UCX worker thread, each run a copy of its own), gives every thread the same number of bytes within 1/LANE_PIECES
-    of a share. The result has a multiple of `lanes` rows, at least lanes x LANE_MIN_ROWS of them, and moves exactly
-    the bytes of `rows` (same destination for every source byte). Reads under LANE_MIN_BYTES, or `lanes` <= 1, come
-    back unchanged.
+    """Rows of (remote address, local address, bytes) - one READ - reordered, and long rows cut, for NIXL's UCX thread
+    pool with `lanes` threads and split_batch_size LANE_MIN_ROWS: it splits a READ of n >= LANE_MIN_ROWS descriptors
+    into runs of max(n // lanes, LANE_MIN_ROWS) consecutive descriptors, each run a copy on one thread. The result
+    has a multiple of `lanes` rows, at least lanes x LANE_MIN_ROWS (so the runs are n / lanes long), dealt by size so
+    that every run carries the same bytes within one piece (1/(lanes x LANE_PIECES) of the read). It moves exactly the
+    bytes of `rows` (same destination for every source byte, once).
 
-    Whole-array operations (this runs for every request in the decode engine's step): rows longer than the cap are
-    cut into cap-sized pieces, the pieces sorted by size and dealt to lanes in snake order (0..L-1, L-1..0, ...), which
-    keeps the lanes' byte totals within one piece of each other; each lane's pieces in address order."""
+    Which reads: those NIXL splits anyway (n >= LANE_MIN_ROWS) and those of at least LANE_MIN_BYTES (cut so that it
+    does). A read of fewer rows and bytes comes back as it is: NIXL posts it unsplit from the calling thread, with no
+    hand-off to another thread. So does any read with `lanes` <= 1, or one whose rows are too short to cut into enough
+    pieces of a cache line.
+
+    Whole-array operations (this runs for every request in the decode engine's step; 30-130 us for 30-900 rows): rows
+    longer than the cap are cut into near-equal pieces on cache lines, the pieces sorted by size and dealt to lanes in
+    snake order (0..L-1, L-1..0, ...), which keeps the lanes' byte totals within one piece of each other; each lane's
+    pieces in address order."""
     if lanes <= 1 or not len(rows):
         return rows
     sizes = rows[:, 2].astype(np.int64)
     total = int(sizes.sum())
-    if total < LANE_MIN_BYTES:
+    if total == 0 or (total < LANE_MIN_BYTES and len(rows) < LANE_MIN_ROWS):
         return rows
-    want_rows = lanes * LANE_MIN_ROWS
-    cap = max(LANE_ALIGN, (total // (lanes * max(LANE_PIECES, LANE_MIN_ROWS))) // LANE_ALIGN * LANE_ALIGN)
-    pieces = -(-sizes // cap)
+    want_rows = lanes * LANE_MIN_ROWS  # fewer, and NIXL's runs would be LANE_MIN_ROWS long, not n / lanes
+    cap = max(LANE_ALIGN, (total // (lanes * LANE_PIECES)) // LANE_ALIGN * LANE_ALIGN)
+    pieces = -(-sizes // cap)  # 0 for an empty row: it is dropped
     n = int(pieces.sum())
-    extra = (-max(n, want_rows)) % lanes + max(0, want_rows - n)  # rows to add: at least want_rows, a multiple of lanes
-    if extra:  # one more cut apiece in the largest rows, round the rows again if there are fewer rows than cuts
+    extra = max(0, want_rows - n)
+    extra += (-(n + extra)) % lanes  # rows to add: at least want_rows, a multiple of lanes
+    if extra:  # one more cut apiece in the largest rows that can take one, round them again if there are fewer
+        room = sizes // LANE_ALIGN - pieces  # more cuts a row can take with every piece at least a cache line
         order = np.argsort(-sizes, kind="stable")
-        np.add.at(pieces, order[np.arange(extra) % len(order)], 1)
+        order = order[room[order] > 0]
+        if not len(order):
+            return rows
+        add = np.bincount(order[np.arange(extra) % len(order)], minlength=len(rows))
+        if np.any(add > room):  # too few cache lines left in the rows to cut: leave the read as planned
+            return rows
+        pieces += add
         n += extra
     owner = np.repeat(np.arange(len(rows)), pieces)
     first = np.cumsum(pieces) - pieces  # index of each row's first piece
     k = np.arange(n) - first[owner]  # piece number within its row
-    piece = -(-sizes // pieces)  # each row cut in `pieces` parts of this size (the last one shorter)
-    piece = -(-piece // LANE_ALIGN) * LANE_ALIGN
-    start = np.minimum(k * piece[owner], sizes[owner])
-    length = np.minimum(piece[owner], sizes[owner] - start)
-    keep = length > 0
-    if not keep.all():  # alignment left a row with fewer real pieces: refill to a multiple of lanes by plain cuts
-        owner, start, length = owner[keep], start[keep], length[keep]
-        n = len(owner)
-        if n % lanes or n < want_rows:
-            return rows
+    # row i cut into pieces[i] parts: the first `rem` of (base + 1) cache lines, the rest of `base`, the tail of the row
+    # (its bytes past the last whole cache line) on the last piece
+    lines = sizes // LANE_ALIGN
+    per = np.maximum(pieces, 1)
+    base, rem = lines // per, lines % per
+    start = (k * base[owner] + np.minimum(k, rem[owner])) * LANE_ALIGN
+    length = np.where(k == pieces[owner] - 1, sizes[owner] - start, (base[owner] + (k < rem[owner])) * LANE_ALIGN)
     out = np.empty((n, 3), rows.dtype)
     out[:, 0] = rows[owner, 0] + start.astype(rows.dtype)
     out[:, 1] = rows[owner, 1] + start.astype(rows.dtype)

@@ -146,10 +146,17 @@ class TransferSide:
 
         best = float("inf")
         for _ in range(reps):
-            workers = [threading.Thread(target=part, args=(i,)) for i in range(1, threads)]
-            t0 = time.perf_counter()
+            start = threading.Barrier(threads)  # the clock starts when every thread is ready to copy
+
+            def worker(i: int) -> None:
+                start.wait()
+                part(i)
+
+            workers = [threading.Thread(target=worker, args=(i,)) for i in range(1, threads)]
             for w in workers:
                 w.start()
+            start.wait()
+            t0 = time.perf_counter()
             part(0)
             for w in workers:
                 w.join()
