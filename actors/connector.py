@@ -47,7 +47,7 @@ from actors.core_lending import borrower
 from actors.engine_report import report_from_vllm
 from actors.nixl_setup import agent_read_lanes, install_progress_delay, install_read_lanes
 from cluster.core.cores import CoreSpecError, rank_cores
-from cluster.core.planner import LANE_MIN_ROWS, PairPlan, RequestPlan, address_rows, lane_rows, plan_request
+from cluster.core.planner import PairPlan, RequestPlan, address_rows, lane_rows, lane_run_bytes, plan_request
 from cluster.core.verify import VERIFY_ENV, VERIFY_TIMEOUT_S, sampled, verify_fraction
 from cluster.core.wire import FIRST_TOKEN, pair_from_dict
 
@@ -230,16 +230,6 @@ def _rank_cores() -> set[int] | None:
     except CoreSpecError:
         return None
     return set(cores) if cores else None
-
-
-def _lane_bytes(rows: np.ndarray, lanes: int) -> list[int]:
-    """The bytes of each run NIXL's UCX thread pool gives a thread of a READ of `rows` (runs of n / lanes descriptors
-    when n >= lanes x LANE_MIN_ROWS, as `lane_rows` lays a READ out); [] where it does not split the READ that way."""
-    n = len(rows)
-    if lanes <= 1 or n < lanes * LANE_MIN_ROWS:
-        return []
-    size = n // lanes
-    return [int(rows[i * size:(i + 1) * size if i < lanes - 1 else n, 2].sum()) for i in range(lanes)]
 
 
 class PlannedPullWorker(NixlPullConnectorWorker):
@@ -627,7 +617,7 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                 self._recving_transfers[req_id].append(handle)
                 n_desc += len(rows)
                 n_bytes += int(rows[:, 2].sum())
-                lane_bytes.append(_lane_bytes(rows, self._pd_lanes))
+                lane_bytes.append(lane_run_bytes(rows, self._pd_lanes))
             except Exception as e:  # noqa: BLE001
                 self._log_failure(failure_type="transfer_setup_failed", req_id=req_id, error=e, dst_engine_id=engine_id, remote_rank=r)
                 if not self._handle_failed_transfer(req_id, handle, self._recv_failures) and handle is not None:

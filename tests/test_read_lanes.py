@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cluster.core.cores import CoreSpecError, rank_cores
-from cluster.core.planner import LANE_ALIGN, LANE_MIN_BYTES, LANE_MIN_ROWS, LANE_PIECES, lane_rows
+from cluster.core.planner import LANE_ALIGN, LANE_MIN_BYTES, LANE_MIN_ROWS, LANE_PIECES, lane_rows, lane_run_bytes
 
 NBYTES = 24 << 20
 READS = 10  # of the lanes layout, in the real-NIXL test
@@ -63,7 +63,8 @@ def test_lane_rows_move_the_same_bytes_in_equal_shares(lanes: int, shape: str) -
     assert int(out[:, 2].sum()) == int(rows[:, 2].sum())
     n = len(out)
     assert n % lanes == 0 and n >= lanes * LANE_MIN_ROWS
-    shares = [int(out[i * n // lanes:(i + 1) * n // lanes, 2].sum()) for i in range(lanes)]
+    shares = lane_run_bytes(out, lanes)
+    assert len(shares) == lanes
     total = sum(shares)
     # NIXL gives thread i the rows [i n/lanes, (i+1) n/lanes): each run within one piece (<= total/(lanes x
     # LANE_PIECES), rounded to a cache line) of an equal share

@@ -501,3 +501,14 @@ def lane_rows(rows: np.ndarray, lanes: int) -> np.ndarray:
     lane = np.empty(n, np.int64)
     lane[by_size] = np.where(rnd % 2 == 0, pos, lanes - 1 - pos)
     return out[np.lexsort((out[:, 1], lane))]
+
+
+def lane_run_bytes(rows: np.ndarray, lanes: int) -> list[int]:
+    """The bytes of each run NIXL's UCX thread pool gives one of its `lanes` threads for a READ of `rows` laid out by
+    `lane_rows` (runs of n / lanes descriptors, n >= lanes x LANE_MIN_ROWS); [] where it does not split a READ that
+    way."""
+    n = len(rows)
+    if lanes <= 1 or n < lanes * LANE_MIN_ROWS:
+        return []
+    size = n // lanes
+    return [int(rows[i * size:(i + 1) * size if i < lanes - 1 else n, 2].sum()) for i in range(lanes)]
