@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from cluster.cli.bench.prefix_routing import (MultiTurn, Turn, add_args, check_multi_turn, check_prefix_workload, check_targets,
-                                  client_argv, client_row, counters, deploy_for_prefix_bench, fill_unavoidable,
+                                  bench_cores, client_argv, client_row, cores_said, counters, deploy_for_prefix_bench, fill_unavoidable,
                                   metric_sum, multi_turn_summary, percentile, prefixes_held, prompt_token_use,
-                                  turn_table, unavoidable_tokens, vllm_lines)
+                                  routes_said, turn_table, unavoidable_tokens, vllm_lines)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,6 +56,19 @@ def test_multi_turn_prompt_lengths_and_the_model_length_check():
     check_multi_turn(spec, 2048)
     with pytest.raises(SystemExit, match="lower --turns"):
         check_multi_turn(MultiTurn(8, 20, 0.5, 512, 64, 32, 0), 2048)
+    with pytest.raises(SystemExit, match="--arrival-s"):
+        check_multi_turn(MultiTurn(8, 5, 0.5, 512, 64, 32, 0, arrival_s=-1), 2048)
+
+
+def test_conversations_start_together_or_as_poisson_arrivals():
+    assert MultiTurn(4, 5, 0.5, 512, 64, 32, 0).start_offsets() == [0.0] * 4
+    spec = MultiTurn(400, 5, 0.5, 512, 64, 32, 7, arrival_s=1.5)
+    starts = spec.start_offsets()
+    assert starts == spec.start_offsets() != MultiTurn(400, 5, 0.5, 512, 64, 32, 8, arrival_s=1.5).start_offsets()
+    assert starts[0] == 0 and all(b > a for a, b in zip(starts, starts[1:]))
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert 1.3 < sum(gaps) / len(gaps) < 1.7  # mean 1.5 s
+    assert sorted(gaps)[len(gaps) // 2] < 1.5 * 0.85  # exponential: the median gap is ln 2 of the mean
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------------------
@@ -91,6 +104,24 @@ def test_counters_read_both_kinds_of_metrics_page():
     assert (c["prompt"], c["cached"], c["decode_cached"], c["local_prefill"]) == (5000, 3072, 2048, 0)
     v = counters(VLLM_PAGE, "vllm")
     assert (v["prompt"], v["computed"], v["cached"]) == (5000, 1900, 3100)
+
+
+def test_routing_decisions_and_mispredictions_are_read_and_said():
+    page = CLUSTER_PAGE + """# TYPE pd_routing_decisions_total counter
+pd_routing_decisions_total{reason="hit"} 10.0
+pd_routing_decisions_total{reason="load"} 4.0
+# TYPE pd_prefix_mispredictions_total counter
+pd_prefix_mispredictions_total{role="prefill"} 1.0
+pd_prefix_mispredictions_total{role="decode"} 5.0
+"""
+    before = counters(page, "cluster")
+    assert (before["route_hit"], before["route_spread"], before["route_load"], before["mispredicted"]) == (
+        10, None, 4, 1)
+    after = {**before, "route_hit": 40.0, "route_spread": 3.0, "route_load": 20.0, "mispredicted": 3.0}
+    use = prompt_token_use(before, after, "cluster")
+    assert use["routes"] == {"hit": 30, "spread": 3, "load": 16} and use["mispredicted"] == 2  # spread: new
+    assert routes_said(use) == ", routes hit 30 / spread 3 / load 16, 2 mispredicted"
+    assert routes_said(prompt_token_use(before, before, "cluster")) == ""  # policy load: no choices counted
 
 
 def test_prompt_token_use_is_the_difference_of_two_scrapes():
@@ -270,11 +301,14 @@ def test_the_bench_cluster_is_two_and_two_shared_cores_all_disaggregated_with_th
                                        "decode": {"tp": 1}, "transfer": {"local_prefill_queue": 3,
                                                                          "local_prefill_when_idle": True,
                                                                          "local_prefill_speed": 0.5}})
-    out = deploy_for_prefix_bench(cfg, 12345, "load", 2.0)
+    out = deploy_for_prefix_bench(cfg, 12345, "load", 2.0, cores=[0, 1])
     for pool in (out.prefill, out.decode):
         assert (pool.tp, pool.min_replicas, pool.max_replicas, pool.share_cores, pool.enable_prefix_caching,
                 pool.kv_cache_gib) == (1, 2, 2, True, True, 2.0)
         assert not pool.autoscaling
+    # prefill and decode on cores of their own: on 2 cores each pool's engines share one
+    assert (out.prefill.env["VLLM_CPU_OMP_THREADS_BIND"], out.decode.env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert cores_said(out) == "the prefill engines sharing core 0, the decode engines core 1"
     assert out.transfer.local_prefill_queue is None and out.transfer.local_prefill_when_idle is False
     assert out.transfer.local_prefill_speed is None
     assert out.routing.policy == "load" and out.http.port == 12345 and out.coordinator.namespace == "pd-bench-prefix"
@@ -283,12 +317,33 @@ def test_the_bench_cluster_is_two_and_two_shared_cores_all_disaggregated_with_th
     assert deploy_for_prefix_bench(cfg, 1, "cache", 1).routing.policy == "cache"
 
 
+def test_the_bench_puts_prefill_and_decode_on_cores_of_their_own():
+    from cluster.core.config import DeployConfig
+
+    assert bench_cores([5, 3]) == {"prefill": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "3"}},
+                                   "decode": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "5"}}}
+    assert bench_cores([0, 1, 2])["decode"]["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert bench_cores([7]) == {"prefill": {"share_cores": True}, "decode": {"share_cores": True}}
+    # 4+ cores: cores as devices, each engine its share; a bind the file set by hand (share_cores) dropped
+    cfg = DeployConfig.model_validate({"prefill": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-3",
+                                                                                "UCX_TLS": "cma"}},
+                                       "decode": {"reserve_cores": True}})
+    big = deploy_for_prefix_bench(cfg, 1, "cache", 1.0, cores=range(10))
+    for pool in (big.prefill, big.decode):
+        assert (pool.share_cores, pool.cores_per_rank, pool.borrow_idle_cores) == (False, 2, False)
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in pool.env
+    assert big.prefill.env == {"UCX_TLS": "cma"} and cores_said(big) == "each engine on 2 core(s) of its own"
+    one = deploy_for_prefix_bench(cfg, 1, "cache", 1.0, cores=[0])  # reserve_cores dropped with the own cores
+    assert one.decode.share_cores and one.decode.reserve_cores is None and cores_said(one) == (
+        "all four engines sharing every core")
+
+
 def test_parser_defaults_and_refusals():
     p = argparse.ArgumentParser()
     add_args(p)
     a = p.parse_args([])
     assert a.targets == "cache,load,vllm" and a.workloads == ["multi-turn", "prefix", "random"]
-    assert (a.conversations, a.turns, a.think_s, a.kv_cache_gib, a.seed) == (8, 5, 0.5, 0.1, 0)
+    assert (a.conversations, a.turns, a.think_s, a.kv_cache_gib, a.seed, a.arrival_s) == (8, 5, 0.5, 0.1, 0, 0.0)
     assert a.prefixes is None and a.out_dir == "results" and Path(a.deploy) == REPO / "deploy.yaml"
     assert p.parse_args(["--workloads", "random,multi-turn"]).workloads == ["multi-turn", "random"]
     assert p.parse_args(["--out", "/tmp/x"]).out_dir == "/tmp/x"

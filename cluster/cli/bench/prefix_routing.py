@@ -4,20 +4,23 @@ this machine, on three workloads.
 
 Targets, each started, run through every workload of `--workloads` in turn, then stopped:
   cache  the deploy file's cluster (`--deploy`) reshaped for this bench: 2 prefill + 2 decode engines at TP 1, prefix
-         caching on in both pools, autoscaling off (min = max = 2), `share_cores: true` (4 engines on a 2-core
-         machine cannot own a core each), every request disaggregated (no `transfer.local_prefill_speed`, `local_prefill_queue`, nor
-         `local_prefill_when_idle`), `--kv-cache-gib` per engine, and `routing.policy: cache`;
+         caching on in both pools, autoscaling off (min = max = 2), prefill and decode on cores of their own
+         (`bench_cores`: 4+ cores, a quarter each; 2-3 cores, each pool's two engines share one core), every request
+         disaggregated (no `transfer.local_prefill_speed`, `local_prefill_queue`, nor `local_prefill_when_idle`),
+         `--kv-cache-gib` per engine, and `routing.policy: cache`;
   load   the same cluster with `routing.policy: load` (prefixes ignored);
   vllm   vLLM's own OpenAI server, one engine at TP 1 with prefix caching on, started as `bench goodput` starts it
          (`cluster.cli.bench.targets.vllm_server`: its KV cache is the cluster's per-engine one, 1 GiB).
 Workloads, in this order on each target (the multi-turn one first, on empty caches):
-  multi-turn  `--conversations` conversations at once, `--turns` turns each, written here with the official `openai`
-              client (AsyncOpenAI, streamed /v1/completions with token-id prompts and vLLM's `return_token_ids`): each
-              turn's prompt is the conversation so far plus a new "user message" of random token ids, and the
-              assistant's reply (its token ids, greedy, `ignore_eos`) is appended to it; an exponential think time
-              (mean `--think-s`) before each turn; seeded, so every target gets the same conversations. Per turn
-              number TTFT p50 / p99; output throughput; failures; and from the target's /metrics before and after,
-              the prompt tokens its prefill engines computed against those resumed from their prefix cache.
+  multi-turn  `--conversations` conversations (all at once, or starting as Poisson arrivals one per `--arrival-s`),
+              `--turns` turns each, written here with the official `openai` client (AsyncOpenAI, streamed
+              /v1/completions with token-id prompts and vLLM's `return_token_ids`): each turn's prompt is the
+              conversation so far plus a new "user message" of random token ids, and the assistant's reply (its
+              token ids, greedy, `ignore_eos`) is appended to it; an exponential think time (mean `--think-s`)
+              before each turn; seeded, so every target gets the same conversations. Per turn number TTFT p50 /
+              p99; output throughput; failures; and from the target's /metrics before and after, the prompt tokens
+              its prefill engines computed against those resumed from their prefix cache, and the router's choices
+              by reason.
   prefix      vLLM's bench client (unmodified, `vllm.benchmarks.serve` in a subprocess as `bench goodput` runs it)
               with its `prefix_repetition` dataset: `--prefixes` shared prefixes, `--prompts-per-prefix` prompts
               each (a prefix + a random suffix, shuffled), by default more prefixes than one engine's cache holds.
@@ -43,6 +46,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import subprocess
 import threading
@@ -50,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from cluster.cli.bench.targets import REPO
 from cluster.cli.tiny_model import BENCH_KINDS, KINDS
@@ -71,8 +75,10 @@ BENCH_NAMESPACE = "pd-bench-prefix"
 # ---- the multi-turn workload (pure) -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MultiTurn:
-    """The multi-turn workload: `conversations` at once, `turns` each; the first user message `first_tokens` long,
-    later ones `user_tokens`, each reply `reply_tokens` (ignore_eos); think time exponential with mean `think_s`."""
+    """The multi-turn workload: `conversations`, `turns` each; the first user message `first_tokens` long, later ones
+    `user_tokens`, each reply `reply_tokens` (ignore_eos); think time exponential with mean `think_s`. `arrival_s`:
+    the mean gap between conversations' starts (Poisson arrivals: steady traffic, conversations ending while others
+    begin); 0 starts them all together (one think time in, so their turns come in waves)."""
 
     conversations: int
     turns: int
@@ -81,6 +87,7 @@ class MultiTurn:
     user_tokens: int
     reply_tokens: int
     seed: int
+    arrival_s: float = 0.0
 
     def prompt_lengths(self) -> list[int]:
         """Each turn's prompt length when every reply has `reply_tokens` tokens."""
@@ -89,6 +96,17 @@ class MultiTurn:
             n += self.first_tokens if turn == 0 else self.reply_tokens + self.user_tokens
             lengths.append(n)
         return lengths
+
+    def start_offsets(self) -> list[float]:
+        """Each conversation's start, seconds after the workload's: Poisson arrivals at one per `arrival_s` (the
+        first at 0), seeded; all 0 when `arrival_s` is 0."""
+        if self.arrival_s <= 0:
+            return [0.0] * self.conversations
+        rng, t, out = random.Random(self.seed * 1_000_003 - 1), 0.0, []
+        for _ in range(self.conversations):
+            out.append(t)
+            t += rng.expovariate(1 / self.arrival_s)
+        return out
 
     def rng(self, conversation: int) -> random.Random:
         """Conversation `conversation`'s own generator: the same messages and think times on every target."""
@@ -129,8 +147,8 @@ def check_multi_turn(spec: MultiTurn, max_model_len: int) -> None:
         raise SystemExit(f"the last turn of a conversation ({spec.prompt_lengths()[-1]} prompt + {spec.reply_tokens} "
                          f"reply tokens) exceeds the max model length {max_model_len}: lower --turns, "
                          "--first-tokens, --user-tokens or --reply-tokens")
-    if spec.conversations < 1 or spec.turns < 1 or spec.think_s < 0:
-        raise SystemExit("--conversations and --turns must be >= 1, --think-s >= 0")
+    if spec.conversations < 1 or spec.turns < 1 or spec.think_s < 0 or spec.arrival_s < 0:
+        raise SystemExit("--conversations and --turns must be >= 1, --think-s and --arrival-s >= 0")
 
 
 # ---- the multi-turn client ----------------------------------------------------------------------------------------
@@ -173,10 +191,12 @@ async def _one_turn(client: Any, model: str, prompt: list[int], max_tokens: int)
 
 
 async def _conversation(client: Any, model: str, spec: MultiTurn, index: int, token_ids: list[int], target: str,
-                        rows: list[Turn]) -> None:
-    """One conversation, turn after turn; a failed turn ends it (its context cannot go on), the turns it did not
-    reach are not sent."""
+                        rows: list[Turn], start_s: float = 0.0) -> None:
+    """One conversation, `start_s` after the workload's start, then turn after turn; a failed turn ends it (its
+    context cannot go on), the turns it did not reach are not sent."""
     rng = spec.rng(index)
+    if start_s > 0:
+        await asyncio.sleep(start_s)
     context: list[int] = []
     previous = 0  # the previous turn's prompt length
     for turn in range(1, spec.turns + 1):
@@ -213,8 +233,10 @@ async def _multi_turn(url: str, api_key: str | None, model: str, spec: MultiTurn
                      f"{time.perf_counter() - t0:.0f} s")
 
     reporter = asyncio.create_task(report())
+    starts = spec.start_offsets()
     try:
-        await asyncio.wait_for(asyncio.gather(*(_conversation(client, model, spec, i, token_ids, target, rows)
+        await asyncio.wait_for(asyncio.gather(*(_conversation(client, model, spec, i, token_ids, target, rows,
+                                                              starts[i])
                                                 for i in range(spec.conversations))), timeout_s)
     except asyncio.TimeoutError:
         for r in rows:
@@ -269,7 +291,12 @@ CLUSTER_COUNTERS = {
     "retried": ("pd_requests_retried_total", {}),
     "views": ("pd_routing_views_total", {}),
     "view_seconds": ("pd_routing_view_seconds_total", {}),
+    "route_hit": ("pd_routing_decisions_total", {"reason": "hit"}),
+    "route_spread": ("pd_routing_decisions_total", {"reason": "spread"}),
+    "route_load": ("pd_routing_decisions_total", {"reason": "load"}),
+    "mispredicted": ("pd_prefix_mispredictions_total", {"role": "prefill"}),
 }
+ROUTE_REASONS = ("hit", "spread", "load")
 VLLM_COUNTERS = {
     "prompt": ("vllm:prompt_tokens_total", {}),
     "computed": ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
@@ -325,6 +352,11 @@ def prompt_token_use(before: dict[str, float | None], after: dict[str, float | N
         views, seconds = delta("views"), delta("view_seconds")
         # what asking the engines cost each cache-aware choice (in its time to first token)
         out["routing_view_ms"] = round(1000 * seconds / views, 2) if views and seconds is not None else None
+        # the router's choices by reason, and the prefills whose hit its prediction got wrong
+        # (a reason's sample appears on its first choice: absent before, it was 0)
+        out["routes"] = {r: None if after.get(k) is None else after[k] - (before.get(k) or 0.0)
+                         for r in ROUTE_REASONS for k in [f"route_{r}"]}
+        out["mispredicted"] = delta("mispredicted")
         odd = {k: delta(k) for k in ("local_prefill", "colocated", "retried") if delta(k)}
         if odd:
             out["note"] = ("not every request was prefilled once by a prefill engine ("
@@ -333,6 +365,16 @@ def prompt_token_use(before: dict[str, float | None], after: dict[str, float | N
     if missing:
         out["note"] = f"the target's /metrics lacks counters for {', '.join(missing)}"
     return out
+
+
+def routes_said(use: dict[str, Any]) -> str:
+    """", routes hit 40 / spread 3 / load 16, 2 mispredicted" from a cluster's `prompt_token_use`; "" when its
+    /metrics did not say."""
+    routes = use.get("routes") or {}
+    if not any(routes.values()):
+        return ""
+    return (", routes " + " / ".join(f"{r} {routes.get(r) or 0:g}" for r in ROUTE_REASONS)
+            + (f", {use['mispredicted']:g} mispredicted" if use.get("mispredicted") is not None else ""))
 
 
 # ---- vLLM's bench client: the prefix and random workloads ---------------------------------------------------------
@@ -649,22 +691,56 @@ def heartbeat(say: Callable[[float], None], every_s: float = 30.0) -> Iterator[N
         thread.join()
 
 
-def deploy_for_prefix_bench(cfg: Any, port: int, policy: str, kv_cache_gib: float) -> Any:
+def bench_cores(cores: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """Where the bench's four engines compute on a host whose usable cores are `cores`, per pool (fields of its
+    config): prefill and decode never on the same cores, as in the product's default (cores as devices). 4+ cores:
+    each engine owns `len // 4` of them (share_cores false; no core lending, so that each pool computes on its own
+    cores whatever the other does). 2-3 cores: each pool's two engines share one core of
+    the pool's own - the prefill engines the first, the decode engines the second, one OpenMP thread each (measured
+    on 2 cores, 16 conversations of 4 long turns: TTFT p50 of turns >= 2 210 ms against 688 with all four engines
+    on both cores, 2 threads each, whose parallel regions waited on each other's time slices). 1 core: all share it."""
+    ids = sorted(cores)
+    if len(ids) >= 4:
+        return {role: {"share_cores": False, "cores_per_rank": len(ids) // 4, "borrow_idle_cores": False}
+                for role in ("prefill", "decode")}
+    if len(ids) >= 2:
+        return {role: {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}
+                for role, core in (("prefill", ids[0]), ("decode", ids[1]))}
+    return {role: {"share_cores": True} for role in ("prefill", "decode")}
+
+
+def deploy_for_prefix_bench(cfg: Any, port: int, policy: str, kv_cache_gib: float,
+                            cores: Sequence[int] | None = None) -> Any:
     """The deploy file's config reshaped for this bench, validated again: 2 prefill + 2 decode engines at TP 1,
-    prefix caching on, no autoscaling, shared cores, every request disaggregated, `kv_cache_gib` per engine,
-    `routing.policy` = `policy`; its own HTTP port and coordinator name and namespace. The model, HTTP limits,
-    transfer checks and pools' env stay the file's."""
+    prefix caching on, no autoscaling, each pool on cores of its own (`bench_cores` of `cores`, this process's by
+    default), every request disaggregated, `kv_cache_gib` per engine, `routing.policy` = `policy`; its own HTTP port
+    and coordinator name and namespace. The model, HTTP limits, transfer checks and the pools' other env stay the
+    file's."""
     from cluster.core.config import DeployConfig
 
     data = cfg.model_dump()
+    where = bench_cores(sorted(os.sched_getaffinity(0)) if cores is None else cores)
     for role in ("prefill", "decode"):
-        data[role].update(tp=1, min_replicas=2, max_replicas=2, share_cores=True, enable_prefix_caching=True,
-                          kv_cache_gib=kv_cache_gib)
+        env = {k: v for k, v in (data[role].get("env") or {}).items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+        data[role].update(tp=1, min_replicas=2, max_replicas=2, enable_prefix_caching=True, kv_cache_gib=kv_cache_gib,
+                          share_cores=True, cores_per_rank=1, reserve_cores=None, borrow_idle_cores=None, env=env)
+        data[role].update({k: v for k, v in where[role].items() if k != "env"})
+        data[role]["env"].update(where[role].get("env", {}))
     data["transfer"].update(local_prefill_queue=None, local_prefill_when_idle=False, local_prefill_speed=None)
     data["routing"] = {**data.get("routing", {}), "policy": policy}
     data["http"]["port"] = port
     data["coordinator"].update(name=f"{BENCH_NAMESPACE}-coordinator", namespace=BENCH_NAMESPACE)
     return DeployConfig.model_validate(data)
+
+
+def cores_said(cfg: Any) -> str:
+    """How the bench's config places its engines, in words."""
+    if not cfg.prefill.share_cores:
+        return f"each engine on {cfg.prefill.cores_per_rank} core(s) of its own"
+    binds = [getattr(cfg, r).env.get("VLLM_CPU_OMP_THREADS_BIND") for r in ("prefill", "decode")]
+    if all(binds):
+        return f"the prefill engines sharing core {binds[0]}, the decode engines core {binds[1]}"
+    return "all four engines sharing every core"
 
 
 def engine_kv_bytes(cfg: Any, model_dir: str) -> int:
@@ -751,8 +827,7 @@ def run_workloads(target: str, kind: str, url: str, api_key: str | None, block_s
                     f"p50 turns >= 2 {_fmt(res['ttft_p50_later_turns_ms'])} ms, computed {_num(use['computed_tokens'])}"
                     f" / unavoidable {res['unavoidable_tokens']} prompt tokens"
                     + (f", {use['routing_view_ms']} ms per choice asking the engines" if use.get("routing_view_ms")
-                       else "") + (f" ({res['errors'][0]})" if
-                                                                                     res["errors"] else ""))
+                       else "") + routes_said(use) + (f" ({res['errors'][0]})" if res["errors"] else ""))
                 continue
             if workload == "prefix":
                 n = args.prefixes * args.prompts_per_prefix
@@ -825,7 +900,7 @@ def main(args: Any) -> int:
     model_dir = deploy_model_dir(base)
     bench_cfg = deploy_for_prefix_bench(base, 1, "cache", args.kv_cache_gib)  # for the sizes; each target its own port
     spec = MultiTurn(args.conversations, args.turns, args.think_s, args.first_tokens, args.user_tokens,
-                     args.reply_tokens, args.seed)
+                     args.reply_tokens, args.seed, args.arrival_s)
     max_len = base.model.max_model_len
     if "vllm" in targets:  # vLLM's server runs at cluster.cli.bench.serve's --max-model-len
         max_len = min(max_len, VLLM_SERVER_MAX_MODEL_LEN)
@@ -847,13 +922,17 @@ def main(args: Any) -> int:
 
     kv_gib = capacity["kv_bytes"] / GIB
     print(f"bench prefix-routing: {base.model.name} ({model_dir}); the cluster from {deploy} as 2 prefill + 2 decode "
-          f"engines at TP 1, shared cores, prefix caching on, every request disaggregated, {kv_gib:g} GiB KV/state "
-          f"cache per engine (--kv-cache-gib {args.kv_cache_gib:g}), block {block} tokens; targets "
-          f"{', '.join(targets)}; workloads {', '.join(args.workloads)}", flush=True)
+          f"engines at TP 1 ({cores_said(bench_cfg)}), prefix caching on, every request disaggregated, "
+          f"{kv_gib:g} GiB KV/state cache per engine (--kv-cache-gib {args.kv_cache_gib:g}), block {block} tokens; "
+          f"targets {', '.join(targets)}; workloads {', '.join(args.workloads)}", flush=True)
     lens = spec.prompt_lengths()
-    print(f"multi-turn: {spec.conversations} conversations x {spec.turns} turns, first message {spec.first_tokens} "
-          f"tokens, then {spec.user_tokens} per turn, replies {spec.reply_tokens} (greedy, ignore_eos), think time "
-          f"exp. mean {spec.think_s:g} s, seed {spec.seed}; prompts {lens[0]}..{lens[-1]} tokens", flush=True)
+    if "multi-turn" in args.workloads:
+        print(f"multi-turn: {spec.conversations} conversations x {spec.turns} turns, first message {spec.first_tokens} "
+              f"tokens, then {spec.user_tokens} per turn, replies {spec.reply_tokens} (greedy, ignore_eos), think time "
+              f"exp. mean {spec.think_s:g} s, "
+              + (f"a conversation starting every {spec.arrival_s:g} s (Poisson)" if spec.arrival_s
+                 else "all starting together")
+              + f", seed {spec.seed}; prompts {lens[0]}..{lens[-1]} tokens", flush=True)
     if "prefix" in args.workloads:
         held = capacity["prefixes_held"]
         print(f"prefix: {args.prefixes} prefixes of {args.prefix_len} tokens x {args.prompts_per_prefix} prompts "
@@ -959,6 +1038,8 @@ def add_args(p: Any) -> None:
                    help="comma separated, from multi-turn, prefix, random (default all; run in that order)")
     p.add_argument("--conversations", type=_positive, default=8, help="multi-turn: conversations at once (default 8)")
     p.add_argument("--turns", type=_positive, default=5, help="multi-turn: turns per conversation (default 5)")
+    p.add_argument("--arrival-s", type=float, default=0.0, help="multi-turn: mean gap between conversations' "
+                   "starts (Poisson arrivals; default 0: all start together)")
     p.add_argument("--think-s", type=float, default=0.5, help="multi-turn: mean think time before each turn, "
                    "exponential (default 0.5 s; 0: none)")
     p.add_argument("--first-tokens", type=_positive, default=500, help="multi-turn: first user message (default 500)")
