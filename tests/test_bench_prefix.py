@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli.bench.prefix_routing import (MultiTurn, Turn, add_args, check_multi_turn, check_prefix_workload, check_targets,
-                                  bench_cores, client_argv, client_row, cores_said, counters, deploy_for_prefix_bench, fill_unavoidable,
-                                  metric_sum, multi_turn_summary, percentile, prefixes_held, prompt_token_use,
-                                  routes_said, turn_table, unavoidable_tokens, vllm_lines)
+from cluster.cli.bench.prefix_routing import (
+    MultiTurn, Turn, add_args, bench_cores, check_multi_turn, check_prefix_workload, check_targets, client_argv,
+    client_row, cores_said, counters, deploy_for_prefix_bench, fill_unavoidable, metric_sum, multi_turn_summary,
+    percentile, prefixes_held, prompt_token_use, routes_said, turn_table, unavoidable_tokens, vllm_lines)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,9 +119,13 @@ pd_prefix_mispredictions_total{role="decode"} 5.0
         10, None, 4, 1)
     after = {**before, "route_hit": 40.0, "route_spread": 3.0, "route_load": 20.0, "mispredicted": 3.0}
     use = prompt_token_use(before, after, "cluster")
-    assert use["routes"] == {"hit": 30, "spread": 3, "load": 16} and use["mispredicted"] == 2  # spread: new
+    assert use["routes"] == {"hit": 30, "spread": 3, "load": 16, "only": None, "local": None}  # spread: new
+    assert use["mispredicted"] == 2
     assert routes_said(use) == ", routes hit 30 / spread 3 / load 16, 2 mispredicted"
-    assert routes_said(prompt_token_use(before, before, "cluster")) == ""  # policy load: no choices counted
+    assert routes_said(prompt_token_use(before, before, "cluster")) == ""  # no choice between the two scrapes
+    # the rarer reasons are said when they happened: one prefill engine left to choose, a decode engine's own prefill
+    rare = prompt_token_use(before, {**after, "route_only": 2.0, "route_local": 0.0}, "cluster")
+    assert routes_said(rare) == ", routes hit 30 / spread 3 / load 16 / only 2, 2 mispredicted"
 
 
 def test_prompt_token_use_is_the_difference_of_two_scrapes():
@@ -179,6 +183,10 @@ def test_multi_turn_summary_per_turn_and_later_turns():
     # (their prompt tokens were sent)
     assert s["unavoidable_tokens"] == 3 * (512 + 224 + 192)
     assert s["computed_over_unavoidable"] == pytest.approx(1600 / 2784, abs=1e-3)
+    assert s["unsent"] is None  # nothing expected given
+    # 4 conversations x 3 turns expected, the fourth never started (a timeout while it waited for its start)
+    assert multi_turn_summary(rows, 10.0, use, expected=12)["unsent"] == 3
+    assert multi_turn_summary(rows, 10.0, use, expected=9)["unsent"] == 0
 
 
 def _results(cache_ttft: float, load_ttft: float, computed: int, cache_tps: float, load_tps: float,
@@ -322,20 +330,23 @@ def test_the_bench_puts_prefill_and_decode_on_cores_of_their_own():
 
     assert bench_cores([5, 3]) == {"prefill": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "3"}},
                                    "decode": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "5"}}}
-    assert bench_cores([0, 1, 2])["decode"]["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    # more cores: still two (the local Ray instance offers 2 CPUs), a pool on each
+    assert bench_cores(range(16)) == bench_cores([0, 1])
     assert bench_cores([7]) == {"prefill": {"share_cores": True}, "decode": {"share_cores": True}}
-    # 4+ cores: cores as devices, each engine its share; a bind the file set by hand (share_cores) dropped
+    # the file's own thread settings give way to the bench's binding; its other env and own-core fields are dropped
+    # or kept as they validate; the loaded config is left as it was
     cfg = DeployConfig.model_validate({"prefill": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-3",
+                                                                                "OMP_NUM_THREADS": "4",
                                                                                 "UCX_TLS": "cma"}},
-                                       "decode": {"reserve_cores": True}})
-    big = deploy_for_prefix_bench(cfg, 1, "cache", 1.0, cores=range(10))
-    for pool in (big.prefill, big.decode):
-        assert (pool.share_cores, pool.cores_per_rank, pool.borrow_idle_cores) == (False, 2, False)
-        assert "VLLM_CPU_OMP_THREADS_BIND" not in pool.env
-    assert big.prefill.env == {"UCX_TLS": "cma"} and cores_said(big) == "each engine on 2 core(s) of its own"
-    one = deploy_for_prefix_bench(cfg, 1, "cache", 1.0, cores=[0])  # reserve_cores dropped with the own cores
-    assert one.decode.share_cores and one.decode.reserve_cores is None and cores_said(one) == (
-        "all four engines sharing every core")
+                                       "decode": {"reserve_cores": True, "cores_per_rank": 2}})
+    out = deploy_for_prefix_bench(cfg, 1, "cache", 1.0, cores=[2, 3])
+    assert out.prefill.env == {"UCX_TLS": "cma", "VLLM_CPU_OMP_THREADS_BIND": "2"}
+    assert out.decode.env == {"VLLM_CPU_OMP_THREADS_BIND": "3"}
+    assert (out.decode.share_cores, out.decode.reserve_cores, out.decode.cores_per_rank) == (True, None, 1)
+    assert cfg.prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3" and cfg.decode.reserve_cores is True
+    one = deploy_for_prefix_bench(cfg, 1, "cache", 1.0, cores=[0])
+    assert one.decode.share_cores and "VLLM_CPU_OMP_THREADS_BIND" not in one.prefill.env
+    assert cores_said(one) == "all four engines sharing every core"
 
 
 def test_parser_defaults_and_refusals():

@@ -294,9 +294,11 @@ CLUSTER_COUNTERS = {
     "route_hit": ("pd_routing_decisions_total", {"reason": "hit"}),
     "route_spread": ("pd_routing_decisions_total", {"reason": "spread"}),
     "route_load": ("pd_routing_decisions_total", {"reason": "load"}),
+    "route_only": ("pd_routing_decisions_total", {"reason": "only"}),
+    "route_local": ("pd_routing_decisions_total", {"reason": "local"}),
     "mispredicted": ("pd_prefix_mispredictions_total", {"role": "prefill"}),
 }
-ROUTE_REASONS = ("hit", "spread", "load")
+ROUTE_REASONS = ("hit", "spread", "load", "only", "local")  # pd_routing_decisions' reasons (actors.pair_choice)
 VLLM_COUNTERS = {
     "prompt": ("vllm:prompt_tokens_total", {}),
     "computed": ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
@@ -373,7 +375,8 @@ def routes_said(use: dict[str, Any]) -> str:
     routes = use.get("routes") or {}
     if not any(routes.values()):
         return ""
-    return (", routes " + " / ".join(f"{r} {routes.get(r) or 0:g}" for r in ROUTE_REASONS)
+    shown = [r for r in ROUTE_REASONS if r in ("hit", "spread", "load") or routes.get(r)]
+    return (", routes " + " / ".join(f"{r} {routes.get(r) or 0:g}" for r in shown)
             + (f", {use['mispredicted']:g} mispredicted" if use.get("mispredicted") is not None else ""))
 
 
@@ -457,10 +460,13 @@ def _r(x: float | None, digits: int = 1) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def multi_turn_summary(rows: list[Turn], seconds: float, use: dict[str, Any] | None) -> dict[str, Any]:
+def multi_turn_summary(rows: list[Turn], seconds: float, use: dict[str, Any] | None,
+                       expected: int | None = None) -> dict[str, Any]:
     """One target's multi-turn figures: per turn number requests, failures, TTFT p50 / p99; TTFT p50 / p99 over turns
-    >= 2 (the ones a cache can resume); output throughput; failures; prompt tokens sent, unavoidable (completed
-    turns), and - from /metrics (`use`, `prompt_token_use`) - computed and resumed, with computed / unavoidable."""
+    >= 2 (the ones a cache can resume); output throughput; failures; `unsent`: of the `expected` turns, those never
+    sent (after a failed turn of their conversation, or past the timeout - a conversation yet to start included);
+    prompt tokens sent, unavoidable (completed turns), and - from /metrics (`use`, `prompt_token_use`) - computed and
+    resumed, with computed / unavoidable."""
     turns = sorted({r.turn for r in rows})
     ok = [r for r in rows if r.error is None and r.ttft_ms is not None]
     later = [r.ttft_ms for r in ok if r.turn >= 2]
@@ -474,6 +480,7 @@ def multi_turn_summary(rows: list[Turn], seconds: float, use: dict[str, Any] | N
                      "ttft_p50_ms": _r(percentile([r.ttft_ms for r in ok if r.turn == t], 50)),
                      "ttft_p99_ms": _r(percentile([r.ttft_ms for r in ok if r.turn == t], 99))} for t in turns],
         "requests": len(rows), "failed": sum(r.error is not None for r in rows),
+        "unsent": max(0, expected - len(rows)) if expected is not None else None,
         "errors": sorted({r.error for r in rows if r.error})[:5],
         "ttft_p50_later_turns_ms": _r(percentile(later, 50)), "ttft_p99_later_turns_ms": _r(percentile(later, 99)),
         "duration_s": round(seconds, 2), "output_tokens": out_tokens,
@@ -693,20 +700,21 @@ def heartbeat(say: Callable[[float], None], every_s: float = 30.0) -> Iterator[N
 
 def bench_cores(cores: Sequence[int]) -> dict[str, dict[str, Any]]:
     """Where the bench's four engines compute on a host whose usable cores are `cores`, per pool (fields of its
-    config): prefill and decode never on the same cores, as in the product's default (cores as devices). 4+ cores:
-    each engine owns `len // 4` of them (share_cores false; no core lending, so that each pool computes on its own
-    cores whatever the other does). 2-3 cores: each pool's two engines share one core of
-    the pool's own - the prefill engines the first, the decode engines the second, one OpenMP thread each (measured
-    on 2 cores, 16 conversations of 4 long turns: TTFT p50 of turns >= 2 210 ms against 688 with all four engines
-    on both cores, 2 threads each, whose parallel regions waited on each other's time slices). 1 core: all share it."""
+    config): prefill and decode never on the same cores, as in the product's default (cores as devices), each pool's
+    two engines sharing one core of the pool's own - the prefill engines the first core, the decode engines the
+    second, one OpenMP thread each (measured on 2 cores, 16 conversations of 4 long turns: TTFT p50 of turns >= 2
+    211 ms against 688 with all four engines on both cores, 2 threads each, whose parallel regions waited on each
+    other's time slices). Two cores whatever the host has: the bench's local Ray instance offers 2 CPUs
+    (`cluster.cli.local_ray.LOCAL_CPUS`), too few for four engines owning cores. 1 core: all share it."""
     ids = sorted(cores)
-    if len(ids) >= 4:
-        return {role: {"share_cores": False, "cores_per_rank": len(ids) // 4, "borrow_idle_cores": False}
-                for role in ("prefill", "decode")}
     if len(ids) >= 2:
         return {role: {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}
                 for role, core in (("prefill", ids[0]), ("decode", ids[1]))}
     return {role: {"share_cores": True} for role in ("prefill", "decode")}
+
+
+# the deploy file's thread settings the bench's binding replaces (an engine's env wins over its launcher's binding)
+BINDING_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "GOMP_CPU_AFFINITY")
 
 
 def deploy_for_prefix_bench(cfg: Any, port: int, policy: str, kv_cache_gib: float,
@@ -721,7 +729,7 @@ def deploy_for_prefix_bench(cfg: Any, port: int, policy: str, kv_cache_gib: floa
     data = cfg.model_dump()
     where = bench_cores(sorted(os.sched_getaffinity(0)) if cores is None else cores)
     for role in ("prefill", "decode"):
-        env = {k: v for k, v in (data[role].get("env") or {}).items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+        env = {k: v for k, v in (data[role].get("env") or {}).items() if k not in BINDING_ENV}
         data[role].update(tp=1, min_replicas=2, max_replicas=2, enable_prefix_caching=True, kv_cache_gib=kv_cache_gib,
                           share_cores=True, cores_per_rank=1, reserve_cores=None, borrow_idle_cores=None, env=env)
         data[role].update({k: v for k, v in where[role].items() if k != "env"})
@@ -735,8 +743,6 @@ def deploy_for_prefix_bench(cfg: Any, port: int, policy: str, kv_cache_gib: floa
 
 def cores_said(cfg: Any) -> str:
     """How the bench's config places its engines, in words."""
-    if not cfg.prefill.share_cores:
-        return f"each engine on {cfg.prefill.cores_per_rank} core(s) of its own"
     binds = [getattr(cfg, r).env.get("VLLM_CPU_OMP_THREADS_BIND") for r in ("prefill", "decode")]
     if all(binds):
         return f"the prefill engines sharing core {binds[0]}, the decode engines core {binds[1]}"
@@ -822,7 +828,7 @@ def run_workloads(target: str, kind: str, url: str, api_key: str | None, block_s
                                                args.step_timeout, say)
                 use = prompt_token_use(before, scrape(url, api_key, kind), kind)
                 out["turns"] = [asdict(r) for r in rows]
-                out["multi_turn"] = res = multi_turn_summary(rows, seconds, use)
+                out["multi_turn"] = res = multi_turn_summary(rows, seconds, use, spec.conversations * spec.turns)
                 say(f"multi-turn: {res['requests'] - res['failed']}/{res['requests']} turns in {seconds:.0f} s, TTFT "
                     f"p50 turns >= 2 {_fmt(res['ttft_p50_later_turns_ms'])} ms, computed {_num(use['computed_tokens'])}"
                     f" / unavoidable {res['unavoidable_tokens']} prompt tokens"
@@ -895,7 +901,7 @@ def main(args: Any) -> int:
     if args.model:  # a builtin kind instead of the deploy file's model (gdn-wide: prefill dominates, as on real models)
         base = base.model_copy(update={"model": base.model.model_copy(update={"builtin": args.model, "path": None})})
     if base.device != "cpu":
-        raise SystemExit(f"bench prefix-routing shapes its cluster for a CPU host (shared cores, KV cache in GiB of "
+        raise SystemExit(f"bench prefix-routing shapes its cluster for a CPU host (cores bound, KV cache in GiB of "
                          f"DRAM); {deploy} has device {base.device!r}")
     model_dir = deploy_model_dir(base)
     bench_cfg = deploy_for_prefix_bench(base, 1, "cache", args.kv_cache_gib)  # for the sizes; each target its own port
@@ -964,8 +970,9 @@ def main(args: Any) -> int:
             x = res.get(w) or {}
             if x.get("error"):
                 problems.append(f"{target} {w}: {x['error']}")
-            elif x.get("failed"):
-                problems.append(f"{target} {w}: {x['failed']} failed requests")
+            elif x.get("failed") or x.get("unsent"):
+                problems.append(f"{target} {w}: {x.get('failed') or 0} failed requests"
+                                + (f", {x['unsent']} turns not sent" if x.get("unsent") else ""))
         print(f"  {target}: done in {results[target]['seconds']:.0f} s", flush=True)
 
     if any(r.get("multi_turn") for r in results.values()):
@@ -1036,7 +1043,7 @@ def add_args(p: Any) -> None:
                    f"(default {DEFAULT_TARGETS})")
     p.add_argument("--workloads", type=_workloads, default=list(KNOWN_WORKLOADS),
                    help="comma separated, from multi-turn, prefix, random (default all; run in that order)")
-    p.add_argument("--conversations", type=_positive, default=8, help="multi-turn: conversations at once (default 8)")
+    p.add_argument("--conversations", type=_positive, default=8, help="multi-turn: conversations (default 8)")
     p.add_argument("--turns", type=_positive, default=5, help="multi-turn: turns per conversation (default 5)")
     p.add_argument("--arrival-s", type=float, default=0.0, help="multi-turn: mean gap between conversations' "
                    "starts (Poisson arrivals; default 0: all start together)")
