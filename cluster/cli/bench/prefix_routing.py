@@ -5,7 +5,7 @@ this machine, on three workloads.
 Targets, each started, run through every workload of `--workloads` in turn, then stopped:
   cache  the deploy file's cluster (`--deploy`) reshaped for this bench: 2 prefill + 2 decode engines at TP 1, prefix
          caching on in both pools, autoscaling off (min = max = 2), prefill and decode on cores of their own
-         (`bench_cores`: 4+ cores, a quarter each; 2-3 cores, each pool's two engines share one core), every request
+         (`bench_cores`: the two prefill engines share the first core, the two decode engines the second), every request
          disaggregated (no `transfer.local_prefill_speed`, `local_prefill_queue`, nor `local_prefill_when_idle`),
          `--kv-cache-gib` per engine, and `routing.policy: cache`;
   load   the same cluster with `routing.policy: load` (prefixes ignored);
