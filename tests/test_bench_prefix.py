@@ -328,11 +328,10 @@ def test_the_bench_cluster_is_two_and_two_shared_cores_all_disaggregated_with_th
 def test_the_bench_puts_prefill_and_decode_on_cores_of_their_own():
     from cluster.core.config import DeployConfig
 
-    assert bench_cores([5, 3]) == {"prefill": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "3"}},
-                                   "decode": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "5"}}}
+    assert bench_cores([5, 3]) == {"prefill": "3", "decode": "5"}
     # more cores: still two (the local Ray instance offers 2 CPUs), a pool on each
     assert bench_cores(range(16)) == bench_cores([0, 1])
-    assert bench_cores([7]) == {"prefill": {"share_cores": True}, "decode": {"share_cores": True}}
+    assert bench_cores([7]) == {"prefill": None, "decode": None}
     # the file's own thread settings give way to the bench's binding; its other env and own-core fields are dropped
     # or kept as they validate; the loaded config is left as it was
     cfg = DeployConfig.model_validate({"prefill": {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-3",

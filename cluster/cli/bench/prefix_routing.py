@@ -356,8 +356,10 @@ def prompt_token_use(before: dict[str, float | None], after: dict[str, float | N
         out["routing_view_ms"] = round(1000 * seconds / views, 2) if views and seconds is not None else None
         # the router's choices by reason, and the prefills whose hit its prediction got wrong
         # (a reason's sample appears on its first choice: absent before, it was 0)
-        out["routes"] = {r: None if after.get(k) is None else after[k] - (before.get(k) or 0.0)
-                         for r in ROUTE_REASONS for k in [f"route_{r}"]}
+        out["routes"] = {}
+        for r in ROUTE_REASONS:
+            now = after.get(f"route_{r}")
+            out["routes"][r] = None if now is None else now - (before.get(f"route_{r}") or 0.0)
         out["mispredicted"] = delta("mispredicted")
         odd = {k: delta(k) for k in ("local_prefill", "colocated", "retried") if delta(k)}
         if odd:
@@ -698,19 +700,19 @@ def heartbeat(say: Callable[[float], None], every_s: float = 30.0) -> Iterator[N
         thread.join()
 
 
-def bench_cores(cores: Sequence[int]) -> dict[str, dict[str, Any]]:
-    """Where the bench's four engines compute on a host whose usable cores are `cores`, per pool (fields of its
-    config): prefill and decode never on the same cores, as in the product's default (cores as devices), each pool's
-    two engines sharing one core of the pool's own - the prefill engines the first core, the decode engines the
-    second, one OpenMP thread each (measured on 2 cores, 16 conversations of 4 long turns: TTFT p50 of turns >= 2
-    211 ms against 688 with all four engines on both cores, 2 threads each, whose parallel regions waited on each
-    other's time slices). Two cores whatever the host has: the bench's local Ray instance offers 2 CPUs
-    (`cluster.cli.local_ray.LOCAL_CPUS`), too few for four engines owning cores. 1 core: all share it."""
+def bench_cores(cores: Sequence[int]) -> dict[str, str | None]:
+    """Where the bench's four engines compute on a host whose usable cores are `cores`: per pool, the
+    VLLM_CPU_OMP_THREADS_BIND its engines share (the pools share cores, `share_cores: true`). Prefill and decode never
+    on the same cores, as in the product's default (cores as devices), each pool's two engines sharing one core of the
+    pool's own - the prefill engines the first core, the decode engines the second, one OpenMP thread each (measured on
+    2 cores, 16 conversations of 4 long turns: TTFT p50 of turns >= 2 211 ms against 688 with all four engines on both
+    cores, 2 threads each, whose parallel regions waited on each other's time slices). Two cores whatever the host has:
+    the bench's local Ray instance offers 2 CPUs (`cluster.cli.local_ray.LOCAL_CPUS`), too few for four engines owning
+    cores. 1 core: all share it."""
     ids = sorted(cores)
     if len(ids) >= 2:
-        return {role: {"share_cores": True, "env": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}
-                for role, core in (("prefill", ids[0]), ("decode", ids[1]))}
-    return {role: {"share_cores": True} for role in ("prefill", "decode")}
+        return {"prefill": str(ids[0]), "decode": str(ids[1])}
+    return {"prefill": None, "decode": None}
 
 
 # the deploy file's thread settings the bench's binding replaces (an engine's env wins over its launcher's binding)
@@ -727,13 +729,13 @@ def deploy_for_prefix_bench(cfg: Any, port: int, policy: str, kv_cache_gib: floa
     from cluster.core.config import DeployConfig
 
     data = cfg.model_dump()
-    where = bench_cores(sorted(os.sched_getaffinity(0)) if cores is None else cores)
+    binds = bench_cores(sorted(os.sched_getaffinity(0)) if cores is None else cores)
     for role in ("prefill", "decode"):
         env = {k: v for k, v in (data[role].get("env") or {}).items() if k not in BINDING_ENV}
+        if binds[role]:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binds[role]
         data[role].update(tp=1, min_replicas=2, max_replicas=2, enable_prefix_caching=True, kv_cache_gib=kv_cache_gib,
                           share_cores=True, cores_per_rank=1, reserve_cores=None, borrow_idle_cores=None, env=env)
-        data[role].update({k: v for k, v in where[role].items() if k != "env"})
-        data[role]["env"].update(where[role].get("env", {}))
     data["transfer"].update(local_prefill_queue=None, local_prefill_when_idle=False, local_prefill_speed=None)
     data["routing"] = {**data.get("routing", {}), "policy": policy}
     data["http"]["port"] = port
