@@ -60,7 +60,7 @@ from actors.engine_settings import in_process_env, in_process_model, launch_env,
 from actors.engine_verify import EngineVerify
 from cluster.core.metrics import TransferTotals
 from cluster.core.cores import format_cores, omp_bind, shared_bind
-from cluster.core.prefix import EngineView
+from cluster.core.prefix import EngineView, PrefixRoots
 
 DEFAULT_START_TIMEOUT_S = 300.0
 log = logging.getLogger("pd.engine")
@@ -304,6 +304,11 @@ class EngineActor:
         from the actor's memory, at once, whatever the engine is computing."""
         return EngineView(self.engine_id, self.prefixes.predict(prompt_token_ids), self.meter.queued_tokens,
                           self.meter.decodes)
+
+    def prefix_roots(self, known: tuple[int, int] | None = None) -> PrefixRoots | None:
+        """The first-block hashes of the prompts this engine may resume something of (`actors.engine_prefix`), for
+        the routers to ask it only about those; None while they are those of version `known`."""
+        return self.prefixes.roots(known)
 
     def prefix_record(self) -> dict[str, Any]:
         """The prefix record's size: block size, capacity (the block pool), blocks of tokens held and the pool blocks

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef, ObjectRefGenerator
 
     from cluster.core.metrics import TransferTotals
-    from cluster.core.prefix import EngineView
+    from cluster.core.prefix import EngineView, PrefixRoots
 
 ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>" in the coordinator's namespace
 # decode-channel messages (engine steps) a front end may leave unread on a Ray stream before the engine stops sending
@@ -276,6 +276,10 @@ class EngineClient:
     def resumable(self, prompt_token_ids: list[int]) -> "ObjectRef[EngineView]":
         """What of this prompt the engine can resume, and its load (cache-aware routing, `cluster.core.prefix`)."""
         return self.handle.resumable.remote(prompt_token_ids)
+
+    def prefix_roots(self, known: tuple[int, int] | None = None) -> "ObjectRef[PrefixRoots | None]":
+        """The first-block hashes the engine may resume prompts from (`EngineActor.prefix_roots`)."""
+        return self.handle.prefix_roots.remote(known)
 
     def prefix_record(self) -> "ObjectRef[dict[str, Any]]":
         """The engine's prefix record's size (`EngineActor.prefix_record`)."""

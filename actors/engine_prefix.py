@@ -9,9 +9,12 @@ import logging
 from typing import Any, Sequence
 
 from cluster.core.metrics import TransferTotals
-from cluster.core.prefix import PrefixRecord, Resumable
+from cluster.core.prefix import PrefixRecord, PrefixRoots, Resumable
 
 log = logging.getLogger("pd.engine")
+# a record holding more first blocks than this sends none (the routers then ask it about every prompt, as without
+# the set): the set travels whole to every front end's router each time it changes
+ROOTS_MAX = 50_000
 
 
 class EnginePrefixes:
@@ -34,6 +37,16 @@ class EnginePrefixes:
                                    attention_groups=len(groups) - states, state_groups=states)
         log.info("prefix record: block size %d, %d pool blocks, %d attention and %d state groups", cache.block_size,
                  total_blocks, len(groups) - states, states)
+
+    def roots(self, known: tuple[int, int] | None = None) -> PrefixRoots | None:
+        """The first-block hashes the record holds (`PrefixRoots`), or None when they are still those of version
+        `known`. No record: block size 0 - nothing is ever resumable here."""
+        r = self.record
+        if r is None:
+            return PrefixRoots((0, 0), 0, ())
+        if known == r.version:
+            return None
+        return PrefixRoots(r.version, r.block_size, tuple(r.roots) if len(r.roots) <= ROOTS_MAX else None)
 
     def predict(self, tokens: Sequence[int]) -> Resumable:
         return self.record.resumable(tokens) if self.record is not None else Resumable()

@@ -797,6 +797,7 @@ async def _cluster_state(coordinator: Any, router: Router, seen: dict[str, tuple
     return {"pools": pools, "transfers": totals, **by_role, "retried": router.retried,
             "routing": dict(router.choice.decisions), "routing_views": router.choice.views,
             "routing_view_seconds": router.choice.view_seconds, "routing_view_failures": router.choice.view_failures,
+            "routing_unasked": router.choice.unasked,
             "scaling": desc.get("pools", {}), "colocated": dict(router.colocated), "degraded": router.degraded,
             "failed_over": router.failed_over, "waited_for_capacity": router.waited_for_capacity,
             "suspected": router.choice.suspected,

@@ -154,7 +154,7 @@ class Router:
             raise ValueError(f"decode_transport must be one of {TRANSPORTS}, not {decode_transport!r}")
         self.coordinator = CoordinatorClient.of(coordinator)
         self.choice = PairChoice(policy, local_prefill_queue, local_prefill_when_idle, self._resumable,
-                                 local_prefill_speed)
+                                 local_prefill_speed, self._prefix_roots)
         self.stall_s = stall_s
         self.failover_wait_s = failover_wait_s
         self.waited_for_capacity = 0  # streams failing over that found no engine and waited for one to join
@@ -339,6 +339,10 @@ class Router:
     async def _resumable(self, engine_id: str, prompt_token_ids: list[int]) -> Any:
         """What engine `engine_id` can resume of a prompt (its own answer: `PairChoice` asks it)."""
         return await (await self.engine(engine_id)).resumable(prompt_token_ids)
+
+    async def _prefix_roots(self, engine_id: str, known: tuple[int, int] | None) -> Any:
+        """Which prompts engine `engine_id` may resume something of (`PairChoice` copies it)."""
+        return await (await self.engine(engine_id)).prefix_roots(known)
 
     async def generate(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from cluster.cli.bench.prefix_routing import (
-    MultiTurn, Turn, add_args, bench_cores, check_multi_turn, check_prefix_workload, check_targets, client_argv,
-    client_row, cores_said, counters, deploy_for_prefix_bench, fill_unavoidable, metric_sum, multi_turn_summary,
+    BlockPool, MultiTurn, Turn, add_args, bench_cores, check_multi_turn, check_prefix_workload, check_targets, client_argv,
+    client_row, cores_said, counters, default_kv_cache_gib, deploy_for_prefix_bench, fill_unavoidable, metric_sum, multi_turn_summary,
     percentile, prefixes_held, prompt_token_use, routes_said, turn_table, unavoidable_tokens, vllm_lines)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,6 +127,12 @@ pd_prefix_mispredictions_total{role="decode"} 5.0
     # the rarer reasons are said when they happened: one prefill engine left to choose, a decode engine's own prefill
     rare = prompt_token_use(before, {**after, "route_only": 2.0, "route_local": 0.0}, "cluster")
     assert routes_said(rare) == ", routes hit 30 / spread 3 / load 16 / only 2, 2 mispredicted"
+    # the choices that asked the engines and those that had no engine to ask (`pd_routing_unasked_total`)
+    asked = prompt_token_use({**before, "views": 5.0, "unasked": 1.0}, {**after, "views": 35.0, "unasked": 20.0},
+                             "cluster")
+    assert routes_said(asked).endswith(", 2 mispredicted, engines asked in 30 choices, 19 routed without asking")
+    assert counters(page + "# TYPE pd_routing_unasked_total counter\npd_routing_unasked_total 7.0\n",
+                    "cluster")["unasked"] == 7
 
 
 def test_prompt_token_use_is_the_difference_of_two_scrapes():
@@ -263,6 +270,25 @@ def test_prefixes_one_engine_holds():
     assert prefixes_held(1 << 30, 131072, 1, 128, 1, 0, 100) == 8192  # attention only, a prefix under a block
 
 
+def test_the_default_cache_holds_three_eighths_of_the_conversations_at_their_last_turn():
+    """gdn-wide's pool (blocks of 2 x 128 KiB, one attention and three state groups): the default multi-turn shape's
+    last turn, 1,856 tokens, keeps 15 attention blocks and a checkpoint (18 blocks); 6 of 16 conversations: 108
+    blocks, 27 MiB. Room for the requests in flight, or for two last turns, when the conversations are few."""
+    wide = BlockPool(block_size=128, page_bytes=131072, regions=2, attention_groups=1, state_groups=3)
+    spec = MultiTurn(16, 4, 2.0, 1024, 256, 16, 0, 2.0)
+    assert spec.prompt_lengths()[-1] + 16 == 1856 and wide.blocks(1856) == 18
+    assert default_kv_cache_gib(wide, spec, 576, 8) == (
+        27 / 1024, "108 blocks: one engine holding 6 of the 16 conversations at their last turn")
+    tiny = BlockPool(128, 131072, 1, 1, 3)  # one region: half the bytes
+    assert default_kv_cache_gib(tiny, spec, 576, 8)[0] == math.ceil(108 * 131072 / (1 << 20)) / 1024
+    two = MultiTurn(2, 4, 2.0, 1024, 256, 16, 0, 2.0)
+    assert default_kv_cache_gib(wide, two, 576, 8) == (  # 8 in flight of 5 + 3 blocks
+        8 * 8 * 256 / 1024 / 1024, "64 blocks: room for 8 requests of 576 tokens in flight")
+    assert default_kv_cache_gib(wide, two, 576, 1) == (
+        2 * 18 * 256 / 1024 / 1024, "36 blocks: room for two conversations' last turns")
+    assert BlockPool(16, 1000, 1, 2, 0).blocks(17) == 4  # attention only: two groups, two blocks each
+
+
 def test_the_prefix_workload_must_be_resumable_at_the_prefix():
     check_prefix_workload(512, 32, 128, 10, 2)
     with pytest.raises(SystemExit, match="whole number of blocks"):
@@ -353,7 +379,8 @@ def test_parser_defaults_and_refusals():
     add_args(p)
     a = p.parse_args([])
     assert a.targets == "cache,load,vllm" and a.workloads == ["multi-turn", "prefix", "random"]
-    assert (a.conversations, a.turns, a.think_s, a.kv_cache_gib, a.seed, a.arrival_s) == (8, 5, 0.5, 0.1, 0, 0.0)
+    assert (a.conversations, a.turns, a.think_s, a.kv_cache_gib, a.seed, a.arrival_s) == (16, 4, 2.0, None, 0, 2.0)
+    assert (a.first_tokens, a.user_tokens, a.reply_tokens) == (1024, 256, 16)
     assert a.prefixes is None and a.out_dir == "results" and Path(a.deploy) == REPO / "deploy.yaml"
     assert p.parse_args(["--workloads", "random,multi-turn"]).workloads == ["multi-turn", "random"]
     assert p.parse_args(["--out", "/tmp/x"]).out_dir == "/tmp/x"
@@ -370,6 +397,7 @@ def live_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-prefix")
     cmd = [sys.executable, "-m", "cluster", "bench", "prefix-routing", "--targets", "cache", "--workloads",
            "multi-turn", "--conversations", "2", "--turns", "2", "--think-s", "0.1", "--step-timeout", "150",
+           "--first-tokens", "500", "--user-tokens", "64", "--reply-tokens", "32", "--arrival-s", "0",
            "--out", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
     return r, out
@@ -381,6 +409,7 @@ def test_live_tiny_run_has_no_failed_request_and_sane_turns(live_run):
     tail = r.stdout[-4000:] + r.stderr[-3000:]
     assert r.returncode == 0, tail
     assert "| turn | cache TTFT p50 / p99 (failed) |" in r.stdout, tail
+    assert "GiB KV/state cache per engine (sized by default, " in r.stdout, tail  # the cache sized for the model
     doc = json.loads((out / "bench_prefix_routing.json").read_text())
     assert doc["problems"] == [] and set(doc["results"]) == {"cache"}
     assert doc["config"]["deploy"]["routing"]["policy"] == "cache"

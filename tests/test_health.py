@@ -559,7 +559,8 @@ def test_metrics_state_keeps_the_totals_of_engines_that_left_without_keeping_the
         return Engine(int(engine_id.split("-")[1]) * 100)
 
     router = SimpleNamespace(engine=engine, retried=0,
-                             choice=SimpleNamespace(decisions={}, views=0, view_seconds=0.0, view_failures=0, suspected=0),
+                             choice=SimpleNamespace(decisions={}, views=0, view_seconds=0.0, view_failures=0, unasked=0,
+                                                    suspected=0),
                              colocated={}, degraded=None, failed_over=0, waited_for_capacity=0, first_from_prefill=0, stale_routed=0,
                              local_prefill=0)
     seen: dict = {}

@@ -13,6 +13,7 @@ import ray
 from actors.coordinator_client import CoordinatorClient
 from actors.engine import launch_engine_actor, stop_engine_actors
 from actors.router import Router
+from cluster.core.prefix import root_hash
 from tests.pd_helpers import gather, oracle
 
 pytestmark = pytest.mark.engine
@@ -90,9 +91,12 @@ def test_turns_land_on_the_prefill_engine_holding_the_previous_turn(cl, block):
     the state checkpoint of the previous turn's prompt (the first token comes from the prefill engine, so it
     computed the whole prompt: the checkpoint is its length floored to a block) - measured as vLLM's reused tokens on
     that engine - the router says "hit", the engines' records predicted every reuse exactly, and the outputs are the
-    model's rule."""
+    model's rule. The first turns, which no engine can hold, are routed without asking the engines (once the router
+    has their first blocks); every later turn asks them, and the engine that holds a conversation lists its first
+    block."""
     convs = {c: [1] + words(100 + c, 300 + 90 * c) for c in range(3)}
     before = dict(cl.cache.choice.decisions)
+    unasked, views = cl.cache.choice.unasked, cl.cache.choice.views
     mispredicted = cl.mispredicted()
     for t in range(4):
         for c, prompt in convs.items():
@@ -105,6 +109,10 @@ def test_turns_land_on_the_prefill_engine_holding_the_previous_turn(cl, block):
         prompt_before = {c: p[:-(MAX_TOKENS + 120)] for c, p in convs.items()}
     assert cl.cache.choice.decisions["hit"] - before.get("hit", 0) >= 9
     assert cl.mispredicted() == mispredicted
+    assert cl.cache.choice.unasked - unasked >= 2 and cl.cache.choice.views - views >= 9
+    roots = {e: ray.get(cl.engines[e].prefix_roots()) for e in PREFILLS}
+    for prompt in convs.values():
+        assert sum(root_hash(prompt, roots[e].block_size) in roots[e].hashes for e in PREFILLS) == 1
 
 
 def test_the_cache_policy_answers_as_the_load_policy_does(cl, block):

@@ -139,6 +139,8 @@ class _ClusterCollector:
                  "engine sampled (transfer.first_token_from_prefill); the others' came from the decode engine"),
                 ("pd_routing_views", "routing_views", "Cache-aware choices that asked the engines what they hold "
                  "(routing.policy cache, more than one engine to choose from)"),
+                ("pd_routing_unasked", "routing_unasked", "Cache-aware choices that did not ask the engines: none "
+                 "of them may hold the prompt's first block (routed on load at once)"),
                 ("pd_routing_view_seconds", "routing_view_seconds", "Seconds those choices waited for the engines' "
                  "answers (the routing's own cost in time to first token)"),
                 ("pd_routing_view_failures", "routing_view_failures", "Engines that did not answer what they hold "

@@ -20,15 +20,29 @@ that restarts starts with an empty cache and an empty record; one that leaves ta
 
 Hashes are Python's hash of (previous hash, tuple of the block's token ids): ints and tuples of ints hash alike in
 every process (no PYTHONHASHSEED), so a front end and an engine agree without exchanging a seed.
+
+Asking costs a round trip to every engine per request, so the routers ask only when an engine may hold something of
+the prompt: a prefix is resumable only from its first block, and each record keeps the set of first-block hashes it
+holds (`roots`, versioned), which the routers copy (`actors.pair_choice`). A prompt whose first block no engine
+holds - a new conversation, a prompt that shares nothing - is routed on load without a question.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 from typing import Iterable, Sequence
 
 ROOT = 0x5044  # the hash before the first block
+
+
+def root_hash(tokens: Sequence[int], block_size: int) -> int | None:
+    """The hash of the first block of `tokens` (`block_hashes`' first), None when no block of them can be resumed: a
+    prompt of `block_size` tokens or fewer (vLLM computes at least the last token)."""
+    if len(tokens) - 1 < block_size:
+        return None
+    return hash((ROOT, tuple(tokens[:block_size])))
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, blocks: int | None = None) -> list[int]:
@@ -69,6 +83,9 @@ class PrefixRecord:
         self._blocks: collections.OrderedDict[int, bool] = collections.OrderedDict()
         self.used = 0  # pool blocks the recorded blocks and checkpoints take
         self.evicted = 0  # blocks the record dropped for capacity
+        self.roots: set[int] = set()  # the hashes of the prompts' first blocks held (a subset of the blocks')
+        # changes with `roots`; its first part tells this record from another engine's under the same id (a restart)
+        self.version = (random.SystemRandom().getrandbits(62), 0)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -102,19 +119,39 @@ class PrefixRecord:
             mark = bool(had) or (i + 1) in marks
             self.used += (self.attention_groups if had is None else 0) + (self.state_groups if mark and not had else 0)
             self._blocks[h] = mark
+        if hashes[0] not in self.roots:
+            self.roots.add(hashes[0])
+            self._changed()
         while self.used > self.capacity and self._blocks:
-            self._drop(self._blocks.popitem(last=False)[1])
+            self._drop(*self._blocks.popitem(last=False))
             self.evicted += 1
 
-    def _drop(self, mark: bool) -> None:
+    def _drop(self, h: int, mark: bool) -> None:
         self.used -= self.attention_groups + (self.state_groups if mark else 0)
+        if h in self.roots:
+            self.roots.discard(h)
+            self._changed()
+
+    def _changed(self) -> None:
+        self.version = (self.version[0], self.version[1] + 1)
 
     def forget(self, tokens: Sequence[int], after: int) -> None:
         """vLLM reused less of `tokens` than the record said: drop the blocks past `after` tokens (evicted, or the
         checkpoint there was)."""
         for h in block_hashes(tokens, self.block_size)[after // self.block_size:]:
             if h in self._blocks:
-                self._drop(self._blocks.pop(h))
+                self._drop(h, self._blocks.pop(h))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixRoots:
+    """An engine's answer to which prompts it may hold something of (`PrefixRecord.roots`): its record's `version`,
+    `block_size` (0: it caches no prefixes) and the first-block hashes held - None when there are too many to send
+    (then it may hold any prompt)."""
+
+    version: tuple[int, int]
+    block_size: int
+    hashes: tuple[int, ...] | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -290,6 +290,7 @@ CLUSTER_COUNTERS = {
     "colocated": ("pd_requests_colocated_total", {}),
     "retried": ("pd_requests_retried_total", {}),
     "views": ("pd_routing_views_total", {}),
+    "unasked": ("pd_routing_unasked_total", {}),
     "view_seconds": ("pd_routing_view_seconds_total", {}),
     "route_hit": ("pd_routing_decisions_total", {"reason": "hit"}),
     "route_spread": ("pd_routing_decisions_total", {"reason": "spread"}),
@@ -354,6 +355,8 @@ def prompt_token_use(before: dict[str, float | None], after: dict[str, float | N
         views, seconds = delta("views"), delta("view_seconds")
         # what asking the engines cost each cache-aware choice (in its time to first token)
         out["routing_view_ms"] = round(1000 * seconds / views, 2) if views and seconds is not None else None
+        # choices that asked the engines, and those that did not (no engine may hold the prompt's first block)
+        out["routing_views"], out["routing_unasked"] = views, delta("unasked")
         # the router's choices by reason, and the prefills whose hit its prediction got wrong
         # (a reason's sample appears on its first choice: absent before, it was 0)
         out["routes"] = {}
@@ -378,8 +381,11 @@ def routes_said(use: dict[str, Any]) -> str:
     if not any(routes.values()):
         return ""
     shown = [r for r in ROUTE_REASONS if r in ("hit", "spread", "load") or routes.get(r)]
+    views, unasked = use.get("routing_views"), use.get("routing_unasked")
     return (", routes " + " / ".join(f"{r} {routes.get(r) or 0:g}" for r in shown)
-            + (f", {use['mispredicted']:g} mispredicted" if use.get("mispredicted") is not None else ""))
+            + (f", {use['mispredicted']:g} mispredicted" if use.get("mispredicted") is not None else "")
+            + (f", engines asked in {views:g} choices, {unasked:g} routed without asking" if views is not None
+               and unasked is not None and views + unasked else ""))
 
 
 # ---- vLLM's bench client: the prefix and random workloads ---------------------------------------------------------
@@ -666,7 +672,8 @@ def plot(results: dict[str, dict], path: Path) -> None:
     ax.set(xlabel="turn of the conversation", ylabel="TTFT p50 (ms)", title="multi-turn: TTFT p50 by turn",
            yscale="log")
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend(fontsize=8)
+    if names:  # (no multi-turn workload: empty panes)
+        ax.legend(fontsize=8)
     x = range(len(names))
     bx.bar([i - 0.2 for i in x], computed, 0.4, label="computed (/metrics)")
     bx.bar([i + 0.2 for i in x], unavoidable, 0.4, label="unavoidable")
@@ -767,21 +774,68 @@ def engine_kv_bytes(cfg: Any, model_dir: str) -> int:
     return int(space) * GIB
 
 
-def cache_capacity(cfg: Any, model_dir: str, prefix_len: int) -> dict[str, Any]:
-    """One prefill engine's cache, estimated from the layout vLLM builds (`offline_layout` at the cluster's block
-    size): bytes, block size, and about how many `prefix_len`-token prefixes it holds (`prefixes_held`)."""
-    from cluster.core.hf_config import load_config, model_shape
-    from cluster.core.layout import offline_layout
-    from cluster.cli.launch import cpu_block_size
+@dataclass(frozen=True)
+class BlockPool:
+    """A prefill engine's block pool as vLLM builds it (`offline_layout` at the cluster's block size): every cache
+    group takes its blocks from one pool of `page_bytes` x `regions` blocks; a cached prompt keeps one block per
+    attention group per `block_size` tokens and one state block per state group at its checkpoint."""
 
-    shape = model_shape(load_config(model_dir))
-    layout = offline_layout(shape, cfg.prefill.tp, cfg.model.dtype, "float32",
-                            block_size=cpu_block_size(cfg, model_dir))
+    block_size: int
+    page_bytes: int
+    regions: int
+    attention_groups: int
+    state_groups: int
+
+    @classmethod
+    def of(cls, cfg: Any, model_dir: str) -> "BlockPool":
+        from cluster.core.hf_config import load_config, model_shape
+        from cluster.core.layout import offline_layout
+        from cluster.cli.launch import cpu_block_size
+
+        shape = model_shape(load_config(model_dir))
+        layout = offline_layout(shape, cfg.prefill.tp, cfg.model.dtype, "float32",
+                                block_size=cpu_block_size(cfg, model_dir))
+        kinds = [g.kind for g in layout.groups]
+        return cls(layout.block_size, layout.page_bytes, layout.num_regions, kinds.count("attention"),
+                   kinds.count("state"))
+
+    def blocks(self, tokens: int) -> int:
+        """The pool blocks one cached prompt of `tokens` takes (its attention blocks and one state checkpoint)."""
+        return math.ceil(tokens / self.block_size) * self.attention_groups + self.state_groups
+
+    def gib(self, blocks: int) -> float:
+        """KV/state cache in GiB (whole MiB, rounded up) for `blocks` pool blocks."""
+        return math.ceil(blocks * self.page_bytes * max(1, self.regions) / (1 << 20)) / 1024
+
+
+# the default cache: one engine holds this share of the multi-turn conversations at their last turn, so that the
+# two prefill engines together hold most of them, and a turn sent to the engine that lacks its conversation evicts
+# others there (as a production cache under load does)
+HELD_SHARE = 3 / 8
+
+
+def default_kv_cache_gib(pool: BlockPool, spec: MultiTurn, longest_request: int, concurrency: int) -> tuple[float, str]:
+    """The KV/state cache per engine when --kv-cache-gib is not given, and what sized it: HELD_SHARE of the
+    conversations at their last turn (their prompt and reply), and at least room for `concurrency` requests of
+    `longest_request` tokens (the prefix and random workloads' in flight) and for two conversations' last turns."""
+    last = pool.blocks(spec.prompt_lengths()[-1] + spec.reply_tokens)
+    held = math.ceil(HELD_SHARE * spec.conversations)
+    sizes = [(held * last, f"one engine holding {held} of the {spec.conversations} conversations at their last turn"),
+             (concurrency * pool.blocks(longest_request), f"room for {concurrency} requests of {longest_request} "
+                                                           "tokens in flight"),
+             (2 * last, "room for two conversations' last turns")]
+    blocks, why = max(sizes, key=lambda s: s[0])
+    return pool.gib(blocks), f"{blocks} blocks: {why}"
+
+
+def cache_capacity(cfg: Any, model_dir: str, prefix_len: int) -> dict[str, Any]:
+    """One prefill engine's cache: bytes, block size, and about how many `prefix_len`-token prefixes it holds
+    (`prefixes_held`)."""
+    pool = BlockPool.of(cfg, model_dir)
     kv = engine_kv_bytes(cfg, model_dir)
-    kinds = [g.kind for g in layout.groups]
-    return {"kv_bytes": kv, "block_size": layout.block_size, "page_bytes": layout.page_bytes,
-            "prefixes_held": prefixes_held(kv, layout.page_bytes, layout.num_regions, layout.block_size,
-                                           kinds.count("attention"), kinds.count("state"), prefix_len)}
+    return {"kv_bytes": kv, "block_size": pool.block_size, "page_bytes": pool.page_bytes,
+            "prefixes_held": prefixes_held(kv, pool.page_bytes, pool.regions, pool.block_size,
+                                           pool.attention_groups, pool.state_groups, prefix_len)}
 
 
 def cluster_block_size(cluster: Any) -> int:
@@ -858,7 +912,7 @@ def run_workloads(target: str, kind: str, url: str, api_key: str | None, block_s
             say(f"{workload}: {row['completed']} completed, {row['failed']} failed in {row['duration_s']:.0f} s, "
                 f"{_fmt(row['output_throughput'])} out tok/s, TTFT p50 {_fmt(row['p50_ttft_ms'])} ms, computed "
                 f"{_num(row['prompt_tokens']['computed_tokens'])} of {_num(row['prompt_tokens']['prompt_tokens'])} "
-                "prompt tokens")
+                "prompt tokens" + routes_said(row["prompt_tokens"]))
         except subprocess.TimeoutExpired:
             out[workload.replace("-", "_")] = {"error": f"timed out after {args.step_timeout:.0f} s"}
             say(f"{workload}: timed out after {args.step_timeout:.0f} s")
@@ -906,9 +960,15 @@ def main(args: Any) -> int:
         raise SystemExit(f"bench prefix-routing shapes its cluster for a CPU host (cores bound, KV cache in GiB of "
                          f"DRAM); {deploy} has device {base.device!r}")
     model_dir = deploy_model_dir(base)
-    bench_cfg = deploy_for_prefix_bench(base, 1, "cache", args.kv_cache_gib)  # for the sizes; each target its own port
     spec = MultiTurn(args.conversations, args.turns, args.think_s, args.first_tokens, args.user_tokens,
                      args.reply_tokens, args.seed, args.arrival_s)
+    sized = ""
+    if args.kv_cache_gib is None:
+        pool = BlockPool.of(deploy_for_prefix_bench(base, 1, "cache", 1.0), model_dir)
+        longest = max(args.prefix_len + args.suffix_len + args.prefix_output_len, args.input_len + args.output_len)
+        args.kv_cache_gib, why = default_kv_cache_gib(pool, spec, longest, args.concurrency)
+        sized = f"sized by default, {why}"
+    bench_cfg = deploy_for_prefix_bench(base, 1, "cache", args.kv_cache_gib)  # for the sizes; each target its own port
     max_len = base.model.max_model_len
     if "vllm" in targets:  # vLLM's server runs at cluster.cli.bench.serve's --max-model-len
         max_len = min(max_len, VLLM_SERVER_MAX_MODEL_LEN)
@@ -931,7 +991,8 @@ def main(args: Any) -> int:
     kv_gib = capacity["kv_bytes"] / GIB
     print(f"bench prefix-routing: {base.model.name} ({model_dir}); the cluster from {deploy} as 2 prefill + 2 decode "
           f"engines at TP 1 ({cores_said(bench_cfg)}), prefix caching on, every request disaggregated, "
-          f"{kv_gib:g} GiB KV/state cache per engine (--kv-cache-gib {args.kv_cache_gib:g}), block {block} tokens; "
+          f"{kv_gib:.4g} GiB KV/state cache per engine ({sized or f'--kv-cache-gib {args.kv_cache_gib:g}'}), block "
+          f"{block} tokens; "
           f"targets {', '.join(targets)}; workloads {', '.join(args.workloads)}", flush=True)
     lens = spec.prompt_lengths()
     if "multi-turn" in args.workloads:
@@ -994,7 +1055,8 @@ def main(args: Any) -> int:
     config = {"deploy_file": str(deploy),
               "deploy": bench_cfg.model_dump(mode="json", exclude={"http": {"api_key", "port"}}),
               "model_dir": model_dir, "targets": targets, "workloads": args.workloads,
-              "multi_turn": asdict(spec), "kv_cache_gib_option": args.kv_cache_gib, "engine_cache": capacity,
+              "multi_turn": asdict(spec), "kv_cache_gib_option": args.kv_cache_gib,
+              "kv_cache_sized": sized or None, "engine_cache": capacity,
               "prefix": {"prefixes": args.prefixes, "prompts_per_prefix": args.prompts_per_prefix,
                          "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
                          "output_len": args.prefix_output_len},
@@ -1045,17 +1107,21 @@ def add_args(p: Any) -> None:
                    f"(default {DEFAULT_TARGETS})")
     p.add_argument("--workloads", type=_workloads, default=list(KNOWN_WORKLOADS),
                    help="comma separated, from multi-turn, prefix, random (default all; run in that order)")
-    p.add_argument("--conversations", type=_positive, default=8, help="multi-turn: conversations (default 8)")
-    p.add_argument("--turns", type=_positive, default=5, help="multi-turn: turns per conversation (default 5)")
-    p.add_argument("--arrival-s", type=float, default=0.0, help="multi-turn: mean gap between conversations' "
-                   "starts (Poisson arrivals; default 0: all start together)")
-    p.add_argument("--think-s", type=float, default=0.5, help="multi-turn: mean think time before each turn, "
-                   "exponential (default 0.5 s; 0: none)")
-    p.add_argument("--first-tokens", type=_positive, default=500, help="multi-turn: first user message (default 500)")
-    p.add_argument("--user-tokens", type=_positive, default=64, help="multi-turn: each later user message (default 64)")
-    p.add_argument("--reply-tokens", type=_positive, default=32, help="multi-turn: each reply (default 32)")
-    p.add_argument("--kv-cache-gib", type=float, default=0.1, help="KV/state cache per cluster engine (default 0.1: "
-                   "small enough that the prefix workload's prefixes overflow one engine's cache in minutes)")
+    p.add_argument("--conversations", type=_positive, default=16, help="multi-turn: conversations (default 16)")
+    p.add_argument("--turns", type=_positive, default=4, help="multi-turn: turns per conversation (default 4)")
+    p.add_argument("--arrival-s", type=float, default=2.0, help="multi-turn: mean gap between conversations' "
+                   "starts (Poisson arrivals; default 2 s; 0: all start together)")
+    p.add_argument("--think-s", type=float, default=2.0, help="multi-turn: mean think time before each turn, "
+                   "exponential (default 2 s; 0: none)")
+    p.add_argument("--first-tokens", type=_positive, default=1024, help="multi-turn: first user message "
+                   "(default 1024)")
+    p.add_argument("--user-tokens", type=_positive, default=256, help="multi-turn: each later user message "
+                   "(default 256)")
+    p.add_argument("--reply-tokens", type=_positive, default=16, help="multi-turn: each reply (default 16)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV/state cache per cluster engine (default: "
+                   "sized from the model's layout for one engine to hold 3/8 of the multi-turn "
+                   "conversations at their last turn - the two prefill engines together most of them - and the "
+                   "prefix workload's prefixes overflow it)")
     p.add_argument("--prefixes", type=_positive, default=None, help="prefix: shared prefixes (default: 1.5x what one "
                    "engine's cache holds, estimated from the model's layout)")
     p.add_argument("--prompts-per-prefix", type=_positive, default=2, help="prefix: prompts per prefix (default 2)")
