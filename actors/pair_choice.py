@@ -41,7 +41,7 @@ VIEW_TIMEOUT_S = 0.5  # an engine's `resumable` answer later than this: routed a
 SUSPECT_S = UNRESPONSIVE_S
 ROOTS_REFRESH_S = 1.0  # a router copies an engine's first-block hashes at most this often (only while it routes)
 ROOTS_TIMEOUT_S = 5.0  # ... and goes on without them (asking that engine about every prompt) when it has not answered
-ROOTS_STALE_S = 2 * ROOTS_REFRESH_S  # a copy older than this (the router was idle) is not trusted: the engines are asked
+ROOTS_STALE_S = 2 * ROOTS_REFRESH_S  # a copy older than this (the router was idle) is not trusted: engines are asked
 # a prompt this router sent to an engine counts as held there until a copy asked after it has it (the engine records
 # it once it has prefilled it, the copy has it a refresh later), or for this long
 ROUTED_KEEP_S = 60.0

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from cluster.cli.bench.prefix_routing import (
-    BlockPool, MultiTurn, Turn, add_args, bench_cores, check_multi_turn, check_prefix_workload, check_targets, client_argv,
-    client_row, cores_said, counters, default_kv_cache_gib, deploy_for_prefix_bench, fill_unavoidable, metric_sum, multi_turn_summary,
-    percentile, prefixes_held, prompt_token_use, routes_said, turn_table, unavoidable_tokens, vllm_lines)
+    BlockPool, MultiTurn, Turn, add_args, bench_cores, check_multi_turn, check_prefix_workload, check_targets,
+    client_argv, client_row, cores_said, counters, default_kv_cache_gib, deploy_for_prefix_bench, fill_unavoidable,
+    metric_sum, multi_turn_summary, percentile, prompt_token_use, routes_said, turn_table, unavoidable_tokens,
+    vllm_lines)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -265,9 +266,9 @@ def test_cache_vs_vllm_lines_and_turn_table():
 # ---- the engine's cache and the prefix workload ---------------------------------------------------------------------
 def test_prefixes_one_engine_holds():
     # the tiny GDN model at 1 GiB: 8192 blocks of 128 KiB; a 512-token prefix keeps 4 attention blocks + 3 states
-    assert prefixes_held(1 << 30, 131072, 1, 128, 1, 3, 512) == 8192 // 7
-    assert prefixes_held(1 << 30, 131072, 2, 128, 1, 3, 512) == 4096 // 7  # two layers per group: half the blocks
-    assert prefixes_held(1 << 30, 131072, 1, 128, 1, 0, 100) == 8192  # attention only, a prefix under a block
+    assert BlockPool(128, 131072, 1, 1, 3).held(1 << 30, 512) == 8192 // 7
+    assert BlockPool(128, 131072, 2, 1, 3).held(1 << 30, 512) == 4096 // 7  # two layers per group: half the blocks
+    assert BlockPool(128, 131072, 1, 1, 0).held(1 << 30, 100) == 8192  # attention only, a prefix under a block
 
 
 def test_the_default_cache_holds_three_eighths_of_the_conversations_at_their_last_turn():

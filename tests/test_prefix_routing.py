@@ -222,11 +222,13 @@ class Engines:
 
 def test_the_router_asks_the_engines_only_about_prompts_one_may_hold(monkeypatch):
     """PairChoice (routing.policy cache) with each engine's first blocks copied: until the first copy arrives every
-    prompt is asked about (and the prompts sent meanwhile are remembered); then a prompt whose first block no engine holds is routed on load without a question
-    (`unasked`), the next turn of one this router sent is asked about at once (its own record of where it sent it),
-    and a prefix another front end put on an engine is seen after that engine's next copy - then a hit. An engine
-    that does not send its set is asked about every prompt; a prompt of one block is never asked about; an engine
-    that leaves is forgotten."""
+    prompt is asked about (and the prompts sent meanwhile are remembered); then a prompt whose first block no engine
+    holds is routed on load without a question (`unasked`), and the next turn of one this router sent is asked about
+    at once (its own record of where it sent it). A prefix another front end put on an engine is not in a fresh copy;
+    once the copies are stale (an idle router) the engines are asked, the copy refreshed - then a hit. A prompt sent
+    again after its engine evicted it is remembered though a copy taken meanwhile lacks it. An engine that does not
+    send its set is asked about every prompt; a prompt of one block is never asked about; an engine that leaves is
+    forgotten."""
     from actors import pair_choice
     from actors.pair_choice import PairChoice
 

@@ -40,9 +40,7 @@ ROOT = 0x5044  # the hash before the first block
 def root_hash(tokens: Sequence[int], block_size: int) -> int | None:
     """The hash of the first block of `tokens` (`block_hashes`' first), None when no block of them can be resumed: a
     prompt of `block_size` tokens or fewer (vLLM computes at least the last token)."""
-    if len(tokens) - 1 < block_size:
-        return None
-    return hash((ROOT, tuple(tokens[:block_size])))
+    return block_hashes(tokens, block_size, 1)[0] if len(tokens) - 1 >= block_size else None
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, blocks: int | None = None) -> list[int]:

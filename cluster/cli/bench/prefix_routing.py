@@ -427,15 +427,48 @@ def client_row(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- one engine's prefix cache ------------------------------------------------------------------------------------
-def prefixes_held(kv_bytes: int, page_bytes: int, regions: int, block_size: int, attention_groups: int,
-                  state_groups: int, prefix_len: int) -> int:
-    """About how many cached prefixes of `prefix_len` tokens (a whole number of blocks) one engine holds: vLLM's
-    hybrid allocator cuts the KV/state memory into blocks of `page_bytes` x `regions` (every cache group takes its
-    blocks from that one pool), and a prefix held in "align" mode keeps one block per attention group per
-    `block_size` tokens plus one state block per state group (its checkpoint at the boundary)."""
-    blocks = kv_bytes // (page_bytes * max(1, regions))
-    per_prefix = math.ceil(prefix_len / block_size) * attention_groups + state_groups
-    return blocks // max(1, per_prefix)
+@dataclass(frozen=True)
+class BlockPool:
+    """A prefill engine's block pool as vLLM builds it (`offline_layout` at the cluster's block size): every cache
+    group takes its blocks from one pool of `page_bytes` x `regions` blocks; a cached prompt keeps one block per
+    attention group per `block_size` tokens and one state block per state group at its checkpoint."""
+
+    block_size: int
+    page_bytes: int
+    regions: int
+    attention_groups: int
+    state_groups: int
+
+    @classmethod
+    def of(cls, cfg: Any, model_dir: str) -> "BlockPool":
+        from cluster.core.hf_config import load_config, model_shape
+        from cluster.core.layout import offline_layout
+        from cluster.cli.launch import cpu_block_size
+
+        shape = model_shape(load_config(model_dir))
+        layout = offline_layout(shape, cfg.prefill.tp, cfg.model.dtype, "float32",
+                                block_size=cpu_block_size(cfg, model_dir))
+        kinds = [g.kind for g in layout.groups]
+        return cls(layout.block_size, layout.page_bytes, layout.num_regions, kinds.count("attention"),
+                   kinds.count("state"))
+
+    @property
+    def block_bytes(self) -> int:
+        return self.page_bytes * max(1, self.regions)
+
+    def blocks(self, tokens: int) -> int:
+        """The pool blocks one cached prompt of `tokens` takes (its attention blocks and one state checkpoint)."""
+        return math.ceil(tokens / self.block_size) * self.attention_groups + self.state_groups
+
+    def held(self, kv_bytes: int, tokens: int) -> int:
+        """About how many cached prompts of `tokens` tokens (a whole number of blocks: a prefix in "align" mode keeps
+        its checkpoint at the boundary) a cache of `kv_bytes` holds."""
+        return kv_bytes // self.block_bytes // max(1, self.blocks(tokens))
+
+    def gib(self, blocks: int) -> float:
+        """KV/state cache in GiB (whole MiB, rounded up) for `blocks` pool blocks."""
+        return math.ceil(blocks * self.block_bytes / (1 << 20)) / 1024
+
 
 
 def check_prefix_workload(prefix_len: int, suffix_len: int, block_size: int, prefixes: int,
@@ -774,40 +807,6 @@ def engine_kv_bytes(cfg: Any, model_dir: str) -> int:
     return int(space) * GIB
 
 
-@dataclass(frozen=True)
-class BlockPool:
-    """A prefill engine's block pool as vLLM builds it (`offline_layout` at the cluster's block size): every cache
-    group takes its blocks from one pool of `page_bytes` x `regions` blocks; a cached prompt keeps one block per
-    attention group per `block_size` tokens and one state block per state group at its checkpoint."""
-
-    block_size: int
-    page_bytes: int
-    regions: int
-    attention_groups: int
-    state_groups: int
-
-    @classmethod
-    def of(cls, cfg: Any, model_dir: str) -> "BlockPool":
-        from cluster.core.hf_config import load_config, model_shape
-        from cluster.core.layout import offline_layout
-        from cluster.cli.launch import cpu_block_size
-
-        shape = model_shape(load_config(model_dir))
-        layout = offline_layout(shape, cfg.prefill.tp, cfg.model.dtype, "float32",
-                                block_size=cpu_block_size(cfg, model_dir))
-        kinds = [g.kind for g in layout.groups]
-        return cls(layout.block_size, layout.page_bytes, layout.num_regions, kinds.count("attention"),
-                   kinds.count("state"))
-
-    def blocks(self, tokens: int) -> int:
-        """The pool blocks one cached prompt of `tokens` takes (its attention blocks and one state checkpoint)."""
-        return math.ceil(tokens / self.block_size) * self.attention_groups + self.state_groups
-
-    def gib(self, blocks: int) -> float:
-        """KV/state cache in GiB (whole MiB, rounded up) for `blocks` pool blocks."""
-        return math.ceil(blocks * self.page_bytes * max(1, self.regions) / (1 << 20)) / 1024
-
-
 # the default cache: one engine holds this share of the multi-turn conversations at their last turn, so that the
 # two prefill engines together hold most of them, and a turn sent to the engine that lacks its conversation evicts
 # others there (as a production cache under load does)
@@ -828,14 +827,12 @@ def default_kv_cache_gib(pool: BlockPool, spec: MultiTurn, longest_request: int,
     return pool.gib(blocks), f"{blocks} blocks: {why}"
 
 
-def cache_capacity(cfg: Any, model_dir: str, prefix_len: int) -> dict[str, Any]:
-    """One prefill engine's cache: bytes, block size, and about how many `prefix_len`-token prefixes it holds
-    (`prefixes_held`)."""
-    pool = BlockPool.of(cfg, model_dir)
+def cache_capacity(pool: BlockPool, cfg: Any, model_dir: str, prefix_len: int) -> dict[str, Any]:
+    """One prefill engine's cache (`pool`, sized as the launcher sizes `cfg`'s): bytes, block size, and about how many
+    `prefix_len`-token prefixes it holds."""
     kv = engine_kv_bytes(cfg, model_dir)
     return {"kv_bytes": kv, "block_size": pool.block_size, "page_bytes": pool.page_bytes,
-            "prefixes_held": prefixes_held(kv, pool.page_bytes, pool.regions, pool.block_size,
-                                           pool.attention_groups, pool.state_groups, prefix_len)}
+            "prefixes_held": pool.held(kv, prefix_len)}
 
 
 def cluster_block_size(cluster: Any) -> int:
@@ -963,8 +960,8 @@ def main(args: Any) -> int:
     spec = MultiTurn(args.conversations, args.turns, args.think_s, args.first_tokens, args.user_tokens,
                      args.reply_tokens, args.seed, args.arrival_s)
     sized = ""
+    pool = BlockPool.of(deploy_for_prefix_bench(base, 1, "cache", 1.0), model_dir)  # (the cache's size aside)
     if args.kv_cache_gib is None:
-        pool = BlockPool.of(deploy_for_prefix_bench(base, 1, "cache", 1.0), model_dir)
         longest = max(args.prefix_len + args.suffix_len + args.prefix_output_len, args.input_len + args.output_len)
         args.kv_cache_gib, why = default_kv_cache_gib(pool, spec, longest, args.concurrency)
         sized = f"sized by default, {why}"
@@ -973,7 +970,7 @@ def main(args: Any) -> int:
     if "vllm" in targets:  # vLLM's server runs at cluster.cli.bench.serve's --max-model-len
         max_len = min(max_len, VLLM_SERVER_MAX_MODEL_LEN)
     check_multi_turn(spec, max_len)
-    capacity = cache_capacity(bench_cfg, model_dir, args.prefix_len)
+    capacity = cache_capacity(pool, bench_cfg, model_dir, args.prefix_len)
     block = capacity["block_size"]
     if "prefix" in args.workloads:
         if args.prefixes is None:  # more than one engine holds, fewer than the two prefill engines together
