@@ -453,12 +453,19 @@ class PlannedPullWorker(NixlPullConnectorWorker):
                for req_id, spec in ready.items()]
         return {"ready": out, "pending": len(self._pd_verify_reads) + len(self._pd_verify_waiting)}
 
-    def pd_verify_done(self, verdicts: dict[str, bool]) -> None:
+    def pd_verify_done(self, verdicts: dict[str, bool], checking: list[str] = ()) -> None:
         """Decode side: the actor's verdicts; a request that passed goes on to decode at the next engine step (and
-        the prefill side is told it may free its blocks), one that failed ends with an error."""
+        the prefill side is told it may free its blocks), one that failed ends with an error. `checking`: requests
+        whose check is still under way (their prefill engine is busy, not stuck): their VERIFY_TIMEOUT_S starts
+        again."""
         for req_id, ok in verdicts.items():
             if self._pd_verify_waiting.pop(req_id, None) is not None:
                 (self._pd_verify_passed if ok else self._pd_verify_failed).add(req_id)
+        now = time.perf_counter()  # the clock `_pd_verify_step` times them by
+        for req_id in checking:
+            spec = self._pd_verify_waiting.get(req_id)
+            if spec is not None:
+                spec["since"] = now
 
     def pd_checksums(self, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
         """Prefill side: CRC-32 of each item's ranges [(prefill rank, region, offsets, lengths)] that this rank

@@ -80,8 +80,9 @@ class ConnectorRanks:
         """Per rank, the sampled reads whose bytes have landed and await a verdict."""
         return await self._all("verify_poll")
 
-    async def verify_done(self, verdicts: dict[str, bool]) -> list[None]:
-        return await self._all("verify_done", verdicts)
+    async def verify_done(self, verdicts: dict[str, bool], checking: list[str] = ()) -> list[None]:
+        """Verdicts for requests whose reads landed; `checking`: requests whose check is still under way."""
+        return await self._all("verify_done", verdicts, list(checking))
 
     async def checksums(self, items: list[tuple[int, int, list[int], list[int]]]) -> list[dict[int, int]]:
         """Per rank, checksums of the listed block ranges (a prefill engine's side of a verify check)."""

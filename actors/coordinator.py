@@ -7,13 +7,14 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from typing import Any
 
 import ray
 
 from actors.cores import start_host_cores
-from actors.engine_client import (ENGINE_PREFIX, HEALTH_TIMEOUT_S, UNRESPONSIVE_S, EngineClient, Leftovers, Registration,
-                                  Silence)
+from actors.engine_client import (ENGINE_PREFIX, HEALTH_TIMEOUT_S, UNRESPONSIVE_S, WARMUP_REQUEST_PREFIX, EngineClient,
+                                  Leftovers, Registration, Silence, error_text)
 from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
 from cluster.core.hf_config import model_shape
 from cluster.core.layout import LayoutError, layout_from_report
@@ -22,6 +23,8 @@ from cluster.core.planner import IncompatiblePair
 HEALTH_INTERVAL_S = float(os.environ.get("PD_HEALTH_INTERVAL_S", "2"))  # how often the coordinator checks engines
 HISTORY_KEPT = 1000  # removed engines and their clean-ups remembered (the most recent)
 UNAVAILABLE_RECHECKS, UNAVAILABLE_RECHECK_S = 10, 0.25  # an unreachable engine is asked again for up to 2.5 s
+FIRST_TRANSFER_TOKENS = 16  # a new pair's first transfer: a prompt this long (`_first_transfers`)
+FIRST_TRANSFER_TIMEOUT_S = float(os.environ.get("PD_FIRST_TRANSFER_TIMEOUT_S", "120"))
 log = logging.getLogger("pd.coordinator")
 
 
@@ -71,7 +74,7 @@ class CoordinatorActor:
                 log.warning("rebuild: skipping %s: %s", a["name"], e)
         for reg, engine in sorted(regs, key=lambda x: x[0].role != "prefill"):
             try:
-                await self._register(reg, engine)
+                await self._register(reg, engine, first_transfers=False)  # its pairs have moved state before
                 self.rebuilt.append(reg.engine_id)
             except Exception as e:  # noqa: BLE001 - an engine that no longer pairs stays out, as at registration
                 log.warning("rebuild: %s refused: %s", reg.engine_id, e)
@@ -96,7 +99,8 @@ class CoordinatorActor:
             return {"engine_id": registration.engine_id, "pairs": pairs}
         return await self._register(registration, engine)
 
-    async def _register(self, registration: Registration, engine: EngineClient) -> dict[str, Any]:
+    async def _register(self, registration: Registration, engine: EngineClient,
+                        first_transfers: bool = True) -> dict[str, Any]:
         self._ensure_watch()
         try:
             model = model_shape(registration.hf_config)
@@ -134,6 +138,8 @@ class CoordinatorActor:
                 if await self.engine_failed(d) or d not in self.clients:  # dead or unhealthy, or gone meanwhile
                     continue
                 raise r
+            if first_transfers and not registration.draining:  # an engine found draining serves nobody again
+                await self._first_transfers(rec.engine_id, [(p, d) for p, d in pairs if self._serving(p, d)])
         except Exception:
             self.core.deregister(rec.engine_id)
             self._moved()
@@ -148,6 +154,41 @@ class CoordinatorActor:
             self.leftovers[rec.engine_id] = registration.leftovers
         log.info("registered %s (%s, TP %d); pairs %s", rec.engine_id, rec.role, layout.tp, pairs)
         return {"engine_id": rec.engine_id, "pairs": pairs}
+
+    async def _first_transfers(self, engine_id: str, pairs: list[tuple[str, str]]) -> None:
+        """Before a joining engine's pairs are listed, each moves one request's state: a short prompt prefilled on the
+        prefill engine and read by the decode engine with NIXL, as a user's request would be (the first READ over a
+        new NIXL connection costs more than later ones; a pair that cannot move state is found here, not by a user).
+        A pair whose other engine has died or left meanwhile is skipped; any other failure refuses the joining
+        engine, naming the pair and the error. Pairs with a draining engine are left out (it refuses new requests)."""
+        if not pairs:
+            return
+        prompt = list(range(1, FIRST_TRANSFER_TOKENS + 1))
+        sampling = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+
+        async def one(p: str, d: str) -> None:
+            request_id = f"{WARMUP_REQUEST_PREFIX}{p}-{d}-{uuid.uuid4().hex[:8]}"
+            prefilled = await self.clients[p].prefill(prompt, request_id)
+            async for ref in self.clients[d].decode(prompt, dict(sampling), prefilled.kv_transfer_params, request_id):
+                await ref
+
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(asyncio.wait_for(one(p, d), FIRST_TRANSFER_TIMEOUT_S) for p, d in pairs),
+                                       return_exceptions=True)
+        for (p, d), r in zip(pairs, results):
+            if not isinstance(r, BaseException):
+                continue
+            other = d if p == engine_id else p
+            if not self._serving(other, engine_id) or await self.engine_failed(other):  # left, died or draining
+                continue
+            what = "timed out" if isinstance(r, asyncio.TimeoutError) else error_text(r)
+            raise RegistrationError("pairs", f"pair {p} -> {d} could not move a request's state: {what}")
+        log.info("%s: first transfers of %d pair(s) in %.2f s", engine_id, len(pairs), time.monotonic() - t0)
+
+    def _serving(self, *engine_ids: str) -> bool:
+        """Whether these engines are registered and take new requests (not draining: they refuse them)."""
+        return all(e in self.clients and e in self.core.engines and self.core.engines[e].state != "draining"
+                   for e in engine_ids)
 
     async def claim_engine_id(self, role: str) -> str:
         """A fresh engine id for a pool's new engine ("decode-3"): never a registered engine's, nor a live engine
@@ -263,16 +304,17 @@ class CoordinatorActor:
         return dict(self.cleaned)
 
     def _clean_after(self, engine_id: str) -> None:
-        """Remove what a dead engine's processes left on its node (shared memory, TMPDIR) once they have exited."""
+        """Remove what a dead engine's processes left on its node (shared memory, TMPDIR) once they have exited: a
+        sweep of its node (`actors.engine_procs.sweep_dead_engines`)."""
         leftovers = self.leftovers.pop(engine_id, None)
         if not leftovers:
             return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from actors.engine_procs import clean_leftovers
+        from actors.engine_procs import sweep_node
 
-        ref = clean_leftovers.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(leftovers.node_id, soft=False)).remote(leftovers)
+        where = NodeAffinitySchedulingStrategy(leftovers.node_id, soft=False)
+        ref = sweep_node.options(scheduling_strategy=where).remote()
 
         async def wait() -> None:
             try:

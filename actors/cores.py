@@ -126,7 +126,7 @@ def lease_cores(count: int, owner: str, node_id: str, *, who: str = "",
     return lease
 
 
-def _flocked() -> set[int] | None:
+def flocked_inodes() -> set[int] | None:
     """The inode of every file some process holds an flock on (/proc/locks), or None where the kernel does not say.
     Inodes only: the device numbers /proc/locks gives need not be those stat() gives on every filesystem (overlays);
     a lock file whose inode a lock elsewhere shares at most keeps its core from the host until that lock goes."""
@@ -162,7 +162,7 @@ def _held_lock_files(where: str) -> dict[int, list[str]]:
         names = [n for n in os.listdir(where) if n.startswith("core-") and n[5:].isdigit()]
     except FileNotFoundError:
         return {}
-    held = _flocked()
+    held = flocked_inodes()
     out = {}
     for name in names:
         path = os.path.join(where, name)

@@ -7,7 +7,9 @@ it owns cores (`own_cores`, "cores as devices"): then it takes that many CPUs fr
 cores of its node that no other engine holds (`actors.cores`).
 The per-engine environment (`actors.engine_settings`: `launch_env`, vLLM's arguments too) travels in the actor's `runtime_env`; vLLM's processes inherit it, and a
 private TMPDIR that the actor creates. Engines run eagerly by default (no torch.compile): startup ~15-30 s on
-2 cores instead of ~45-90 s. `kv_transfer_config` and `engine_kwargs` pass straight to vLLM's engine arguments.
+2 cores instead of ~45-90 s. `kv_transfer_config` and `engine_kwargs` pass straight to vLLM's engine arguments. An
+engine with a role warms up before `start` returns (`actors.engine_warmup`; its compile caches are kept across
+engines and restarts: `actors.engine_settings.compile_cache_env`), and says what it is doing meanwhile (`phase`).
 
 The actor is made of components, one per concern and module, each the one owner of its state, built by the actor's
 constructor with what it needs of the others: `EngineServing` (`engine_serving`: prefill, decode, decode channels),
@@ -53,16 +55,19 @@ from actors.engine_client import (CHANNEL_BACKLOG, ENGINE_PREFIX, Busy, EngineCl
 from actors.engine_load import EngineLoad
 from actors.engine_pairs import EnginePairs
 from actors.engine_prefix import EnginePrefixes
-from actors.engine_progress import ProgressWatch
-from actors.engine_procs import EngineProcesses, LiveEngine, _running
+from actors.engine_progress import ProgressWatch, stall_rule
+from actors.engine_procs import EngineProcesses, LiveEngine, end_processes, sweep_dead_engines, sweep_nodes
 from actors.engine_serving import EngineServing, _ranked
-from actors.engine_settings import in_process_env, in_process_model, launch_env, vllm_engine_args
+from actors.engine_settings import compile_cache_env, in_process_env, in_process_model, launch_env, vllm_engine_args
 from actors.engine_verify import EngineVerify
+from actors.engine_warmup import WarmupReport, warm_up
 from cluster.core.metrics import TransferTotals
 from cluster.core.cores import format_cores, omp_bind, shared_bind
 from cluster.core.prefix import EngineView, PrefixRoots
 
 DEFAULT_START_TIMEOUT_S = 300.0
+WARMUP_TIMEOUT_S = 120.0  # the least time a warm-up gets, whatever is left of the start timeout
+START_SWEEP_WAIT_S = 5.0  # at start, how long a dead engine's processes get to exit before they are killed
 log = logging.getLogger("pd.engine")
 
 
@@ -104,9 +109,15 @@ class EngineActor:
         self.kwargs = vllm_engine_args(self.model_dir, tp, max_model_len=max_model_len, dtype=dtype,
                                        kv_transfer_config=kv_transfer_config, engine_kwargs=engine_kwargs, role=role,
                                        engine_id=self.engine_id, device=device)
+        # compile caches kept across engines and restarts, in this actor's environment before vLLM's processes start
+        os.environ.update(compile_cache_env(device))
         self.live = LiveEngine()  # the vLLM engine: set by `start`, taken by `shutdown`
         self.ranks = ConnectorRanks(self.engine_id, self.live)  # its connector's workers, one per TP rank
         self.startup_s: float | None = None
+        self.load_s: float | None = None  # of `startup_s`: vLLM's engine built ...
+        self.warmup: WarmupReport | None = None  # ... and warmed up (engines with a role)
+        self._phase = "not started"  # what `start` is doing now (`phase`)
+        self._stopping = False  # `shutdown` was called: a start under way gives up
         self.procs = EngineProcesses(self.live)
         self.meter = EngineLoad(self.engine_id, self.live)
         self.pairs = EnginePairs(self.engine_id, role, served_model, self.model_dir, self.ranks, self.live,
@@ -129,6 +140,14 @@ class EngineActor:
         args = AsyncEngineArgs(**self.kwargs)
         t0 = time.monotonic()
         normal_priority(f"engine {self.engine_id}")  # before vLLM's processes start: they inherit it
+        # what engines that died on this node left (a launcher killed before it could clean up, a pool replica that
+        # died with its loading engine): gone before this one adds its own
+        try:
+            swept = await asyncio.to_thread(sweep_dead_engines, os.path.dirname(self.procs.tmpdir), START_SWEEP_WAIT_S)
+            if swept:
+                log.warning("engine %s: removed what dead engines left on this node: %s", self.engine_id, swept)
+        except Exception as e:  # noqa: BLE001 - a clean-up of others' leftovers never fails this engine's start
+            log.warning("engine %s: could not sweep this node for dead engines' files: %s", self.engine_id, e)
         actor_cores = os.sched_getaffinity(0)
         cores = self._take_cores()
         if self.kwargs.get("kv_cache_memory_bytes") is not None and os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None):
@@ -153,6 +172,7 @@ class EngineActor:
                 for tid in set(thread_affinities(os.getpid())) - before:
                     unbind_thread(tid, actor_cores)
 
+        self._phase = "loading vLLM"
         builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pd-engine-build")
         try:
             self.live.set(await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(builder, build), timeout_s))
@@ -163,23 +183,65 @@ class EngineActor:
             ) from None
         finally:
             builder.shutdown(wait=False)  # its one thread is bound to the engine's cores: used for nothing else
+        if self._stopping:  # stopped while vLLM was being built: nobody will shut this engine down but us
+            await asyncio.to_thread(self.live.take().shutdown)
+            raise RuntimeError(f"engine {self.engine_id} was stopped while it started")
         self.procs.note_shm()  # workers map theirs at start; they may die first
+        self.load_s = time.monotonic() - t0
         # this actor's threads are the engine's host side (vLLM's client: outputs, detokenizing, the decode channel):
         # off the cores engines reserve, this one's included; vLLM's own processes keep the cores they started on
         self.host_cores = start_host_cores(f"engine {self.engine_id} (actor)")
         if self.role is not None:
-            # a fresh engine's first forward pass is several seconds slower; pay it here, not in a user's TTFT
-            await self.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=2)
+            # every request feature that compiles or builds something on first use, before any user request
+            # (`actors.engine_warmup`); the progress watch starts before its long prompt, to learn a real long step
+            self.progress = ProgressWatch(self.engine_id, self.meter.free_blocks, stall_rule(self.device))
+            with self.meter.direct_request():
+                await self._warm_up(max(WARMUP_TIMEOUT_S, timeout_s - (time.monotonic() - t0)))
+            # the warm-up's prompts leave nothing in the prefix cache: the prefix record starts from an empty cache
+            if not await self.live.required().reset_prefix_cache():
+                log.warning("engine %s: vLLM kept its prefix cache after the warm-up", self.engine_id)
+            self._phase = "registering"
             total_blocks = await self.meter.count_pool()
             groups = (await self.ranks.registration())[0]["layout"]["groups"]
             self.prefixes.start(self.live.required().vllm_config, total_blocks, [g["kind"] for g in groups])
-            self.progress = ProgressWatch(self.engine_id, self.meter.free_blocks)
-            self.progress.start()
         if self.lender is not None:  # its cores are lent while it has nothing in flight (actors.core_lending)
             self.meter.lender = self.lender
             self.lender.ready(self.meter.in_flight)
         self.startup_s = time.monotonic() - t0
+        self._phase = "started"
         return self.startup_s
+
+    async def _warm_up(self, budget_s: float) -> None:
+        """`actors.engine_warmup.warm_up` within `budget_s`, the progress watch started before its long prompt; with
+        PD_ENGINE_WARMUP=0 (`engines.warm_up: false`) one short greedy request only, then the watch."""
+        if os.environ.get("PD_ENGINE_WARMUP", "1") == "0":
+            await self.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=2)
+            self.progress.start()
+            return
+        try:
+            self.warmup = await asyncio.wait_for(
+                warm_up(self.live.required(), phase=self._warming, before_long_prompt=self.progress.start), budget_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"engine {self.engine_id} did not finish its warm-up ({self._phase}) within "
+                               f"{budget_s:.0f} s (what its start timeout left, at least {WARMUP_TIMEOUT_S:.0f} s)"
+                               ) from None
+        log.info("engine %s warmed up in %s", self.engine_id, self.warmup)
+
+    def _warming(self, what: str) -> None:
+        self._phase = f"warming up ({what})"
+
+    def phase(self) -> str:
+        """What the engine is doing while it starts: "loading vLLM", "warming up (logprobs)", "started", ..."""
+        return self._phase
+
+    def start_report(self) -> dict[str, Any]:
+        """How the start went: seconds to build vLLM's engine (`load_s`), the warm-up's phases and total (None for an
+        engine without a role), and the whole start (`startup_s`)."""
+        w = self.warmup
+        return {"load_s": self.load_s, "startup_s": self.startup_s,
+                "warm_up_s": None if w is None else w.total_s,
+                "warm_up_phases": None if w is None else dict(w.phases),
+                "long_prompt_tokens": None if w is None else w.long_prompt_tokens}
 
     def _take_cores(self) -> tuple[int, ...]:
         """Cores as devices: take `own_cores` free cores of this node (`actors.cores.lease_cores`, refused with the
@@ -235,8 +297,9 @@ class EngineActor:
         if self.lender is not None:
             self.meter.lender = None
             self.lender.close()
+        self._stopping = True  # a start still building vLLM's engine shuts it down as soon as it is built
         try:
-            return await self.procs.shutdown(timeout_s)
+            return await self.procs.shutdown(timeout_s, building=self._phase == "loading vLLM")
         finally:
             if self.lease is not None:
                 self.lease.release()
@@ -283,8 +346,9 @@ class EngineActor:
         return result
 
     async def health(self) -> Health:
-        """Whether the engine is started, vLLM has not failed it, and its EngineCore is stepping (`ProgressWatch`:
-        a hung engine is unhealthy too); `EngineClient.verdict` turns this into the verdict everyone acts on."""
+        """Whether the engine is started, vLLM has not failed it, and its EngineCore is not stuck (`ProgressWatch`: a
+        hung engine is unhealthy too, a busy one is not); `EngineClient.verdict` turns this into the verdict everyone
+        acts on."""
         engine = self.live()
         if engine is None:
             return Health(started=False, healthy=False)
@@ -293,10 +357,11 @@ class EngineActor:
             healthy = not engine.errored
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             healthy = False
-        stalled = self.progress.stalled() if self.progress is not None else None
-        if healthy and stalled:
-            return Health(started=True, healthy=False, why=stalled)
-        return Health(started=True, healthy=healthy)
+        judged = self.progress.judge() if self.progress is not None else None
+        if healthy and judged is not None and judged.state == "stuck":
+            return Health(started=True, healthy=False, why=judged.why)
+        # a busy engine (burning CPU in a long step or a compile) is healthy: the why says so
+        return Health(started=True, healthy=healthy, why=judged.why if healthy and judged is not None else "")
 
     def resumable(self, prompt_token_ids: list[int]) -> EngineView:
         """What of this prompt the engine can resume (its prefix record, `actors.engine_prefix`), and its load: the
@@ -528,7 +593,8 @@ def launch_engine_actor(
 
 def stop_engine_actor(engine: EngineClient, timeout_s: float = 60.0) -> list[str]:
     """Shut the engine down, kill the actor, and check that none of its processes survive (stragglers are
-    killed). Returns the shared-memory files removed; raises RuntimeError naming any pid still alive."""
+    killed); then sweep its node (`actors.engine_procs.sweep_dead_engines`) for what the shutdown could not see.
+    Returns the files removed; raises RuntimeError naming any pid still alive."""
     return stop_engine_actors([engine], timeout_s)
 
 
@@ -536,13 +602,16 @@ def stop_engine_actors(engines: list[EngineClient], timeout_s: float = 60.0) -> 
     """`stop_engine_actor` for several engines at once (their shutdowns run in parallel)."""
     pids: list[int] = []
     here = ray.get_runtime_context().get_node_id()
+    nodes: list[str] | None = []  # where to sweep afterwards (None: every node - an engine's node is unknown)
     for engine in engines:
         try:
             where = ray.get(engine.node_id(), timeout=timeout_s)
+            if nodes is not None:
+                nodes.append(where)
             if where == here:  # pids of another node mean other processes here (its own shutdown checks them there)
                 pids += ray.get(engine.pids(), timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - a dead actor cannot report its pids
-            pass
+        except Exception:  # noqa: BLE001 - a dead actor cannot report its pids, nor its node
+            nodes = None
     removed: list[str] = []
     for engine, ref in [(e, e.shutdown()) for e in engines]:
         try:
@@ -556,14 +625,9 @@ def stop_engine_actors(engines: list[EngineClient], timeout_s: float = 60.0) -> 
             procs.append(psutil.Process(pid))
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(alive, timeout=10)
-    alive = [p for p in alive if _running(p)]  # a killed process whose parent has not reaped it yet is gone
+    alive = end_processes(procs, timeout_s)
     if alive:
         raise RuntimeError(f"engine processes still alive after stop: {[p.pid for p in alive]}")
-    return removed
+    # what a shutdown could not see: processes an engine started while it was being stopped (stopped while loading),
+    # or everything of an engine that died first
+    return removed + sweep_nodes(nodes)

@@ -41,6 +41,9 @@ ENGINE_PREFIX = "pd-engine-"  # engines are named actors "pd-engine-<engine id>"
 # decode-channel messages (engine steps) a front end may leave unread on a Ray stream before the engine stops sending
 # (Ray's backpressure); as many more steps waiting end its requests (`EngineActor.decode_channel`)
 CHANNEL_BACKLOG = 1000
+# request ids of a negotiated pair's first transfer (`actors.coordinator`), which serves nobody: not an engine's first
+# served request
+WARMUP_REQUEST_PREFIX = "pd-warmup-"
 HEALTH_TIMEOUT_S = 10.0  # an engine slower than this to answer its health question is busy, not dead
 
 State = Literal["healthy", "starting", "failed", "dead", "unreachable", "slow", "unresponsive"]
@@ -153,7 +156,8 @@ class Prefilled:
 class Leftovers:
     """What an engine's processes would leave on its node if they were killed (`EngineClient.leftovers`; a graceful
     shutdown removes it all): its shared-memory files, its private TMPDIR, and the processes themselves as (pid,
-    start time) - what `actors.engine_procs.clean_leftovers` needs, on that node, once the engine is known dead."""
+    start time) - what the coordinator keeps per engine: where to sweep (`actors.engine_procs.sweep_node`) once the
+    engine is known dead, and what tests and benchmarks check is gone."""
 
     node_id: str
     shm: tuple[str, ...]
@@ -209,6 +213,14 @@ class EngineClient:
         """Build the vLLM engine (once); the startup seconds."""
         return self.handle.start.remote(*(() if timeout_s is None else (timeout_s,)))
 
+    def phase(self) -> "ObjectRef[str]":
+        """What the engine is doing while it starts ("loading vLLM", "warming up (logprobs)", "started")."""
+        return self.handle.phase.remote()
+
+    def start_report(self) -> "ObjectRef[dict[str, Any]]":
+        """How its start went: vLLM's load, the warm-up by phase, the whole start (`EngineActor.start_report`)."""
+        return self.handle.start_report.remote()
+
     def ready(self) -> "ObjectRef[None]":
         """The actor exists (its constructor ran); says nothing of the vLLM engine."""
         return self.handle.__ray_ready__.remote()
@@ -232,7 +244,7 @@ class EngineClient:
             return Verdict("starting", "its vLLM engine is starting")
         if not health.healthy:
             return Verdict("failed", f"unhealthy ({health.why or 'its vLLM engine failed'})")
-        return Verdict("healthy", "healthy")
+        return Verdict("healthy", f"healthy ({health.why})" if health.why else "healthy")
 
     async def stuck(self, timeout_s: float) -> Verdict | None:
         """The one rule for an engine gone silent under a request (a decode stream without output, a prefill without
@@ -263,7 +275,7 @@ class EngineClient:
         return self.handle.rss_bytes.remote()
 
     def leftovers(self) -> "ObjectRef[Leftovers]":
-        """What the engine would leave on its node if killed (`actors.engine_procs.clean_leftovers` removes it)."""
+        """What the engine would leave on its node if killed (`actors.engine_procs.sweep_node` removes it)."""
         return self.handle.leftovers.remote()
 
     def side_channel_port(self) -> "ObjectRef[int]":

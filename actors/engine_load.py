@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 from actors.core_lending import CoreLender
-from actors.engine_client import Busy, Load
+from actors.engine_client import WARMUP_REQUEST_PREFIX, Busy, Load
 from actors.engine_procs import LiveEngine
 
 log = logging.getLogger("pd.engine")
@@ -93,9 +93,11 @@ class EngineLoad:
         """Prefills and decodes running here (every front end's)."""
         return self._prefills + self._decodes + self._direct
 
-    def served(self) -> None:
-        """A request was served (a prefill done, a decode's tokens out): the first one's time is kept."""
-        self._first_served_at = self._first_served_at or time.time()
+    def served(self, request_id: str) -> None:
+        """A request was served (a prefill done, a decode's tokens out): the first one's time is kept. A pair's
+        warm-up transfer (WARMUP_REQUEST_PREFIX) serves nobody."""
+        if not request_id.startswith(WARMUP_REQUEST_PREFIX):
+            self._first_served_at = self._first_served_at or time.time()
 
     @property
     def queued_tokens(self) -> int:

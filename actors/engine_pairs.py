@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import ray
 
 from actors.connector_ranks import ConnectorRanks
 from actors.coordinator_client import CoordinatorClient
-from actors.engine_client import EngineClient, Leftovers, Registration
+from actors.engine_client import HEALTH_TIMEOUT_S, EngineClient, Leftovers, Registration
 from actors.engine_procs import LiveEngine
 from cluster.core.hf_config import load_config
 from cluster.core.metrics import TransferTotals
 
+CHECKSUM_PATIENCE_S = 10.0  # a prefill engine that has not answered checksums this long has its verdict asked
 UNREAD_STATS_KEPT = 4096  # per-request transfer records kept until someone reads them (the totals keep counting)
 
 
@@ -122,10 +123,14 @@ class EnginePairs:
         await self._collect_stats()
         return dataclasses.replace(self.totals)
 
-    async def prefill_checksums(self, prefill_id: str, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:
+    async def prefill_checksums(self, prefill_id: str, items: list[tuple[int, int, list[int], list[int]]],
+                                still_checking: Callable[[], Awaitable[Any]] | None = None) -> dict[int, int]:
         """A prefill engine's checksums of `items` (transfer.verify). Its client is asked of the coordinator once and
         kept until a call to it fails or its pair is removed: a coordinator that is restarting (or wedged) must not
-        fail the checks of requests whose prefill engine is alive (unverifiable is not verified: they would fail)."""
+        fail the checks of requests whose prefill engine is alive (unverifiable is not verified: they would fail).
+        The engine answers between its steps: while it has not answered, every CHECKSUM_PATIENCE_S its verdict is
+        asked (`EngineClient.stuck`, the rule everyone uses) - a busy engine (a long step, a compile) is waited for,
+        `still_checking()` telling the decode workers so; a stuck or dead one fails the check."""
         prefill = self._prefill_clients.get(prefill_id)
         if prefill is None:
             if self.coordinator is None:
@@ -134,8 +139,19 @@ class EnginePairs:
             if prefill is None:
                 raise RuntimeError(f"prefill engine {prefill_id} has left")
             self._prefill_clients[prefill_id] = prefill
+        answer = asyncio.ensure_future(prefill.checksums(items))
         try:
-            return await asyncio.wait_for(prefill.checksums(items), 10)
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=CHECKSUM_PATIENCE_S)
+                if done:
+                    return answer.result()
+                stuck = await prefill.stuck(HEALTH_TIMEOUT_S)
+                if stuck is not None:
+                    raise RuntimeError(f"prefill engine {prefill_id} is {stuck.why}")
+                if still_checking is not None:
+                    await still_checking()
         except Exception:
             self._prefill_clients.pop(prefill_id, None)  # gone, or replaced under its id: ask again next time
             raise
+        finally:
+            answer.cancel()

@@ -2,16 +2,17 @@
 shared-memory files (/dev/shm) and the engine's private TMPDIR. `EngineProcesses` is the `EngineActor`'s component
 for them (its pids and memory, a graceful shutdown that removes everything, and the `leftovers` a killed engine would
 leave); it owns the shared-memory files seen and the TMPDIR. `LiveEngine` holds the actor's vLLM engine itself, the
-one accessor every component reads it through. `clean_leftovers` removes a dead engine's files on its node once its
-processes are gone."""
+one accessor every component reads it through. `sweep_dead_engines` removes on a node whatever dead engines left there
+- an engine killed at any point of its life, loading included, when nobody could ask it what it holds - and
+`sweep_nodes` runs it where engines were stopped."""
 
 from __future__ import annotations
 
 import asyncio
-import getpass
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from typing import Any
@@ -25,14 +26,19 @@ from actors.engine_client import Leftovers
 # CPU all-reduce segments, message-queue segments, multiprocessing semaphores
 SHM_PREFIXES = ("vllm_dist_", "psm_", "sem.mp-")
 TMPDIR_PREFIX = "hpd-engine-"  # each engine's private TMPDIR (vLLM's vllm_dist_* file stores land there)
+OWNER_FILE = ".owner"  # in an engine's TMPDIR: "pid start-ticks" of the actor that made it (`start_ticks`)
+# a /dev/shm file or TMPDIR younger than this is never swept: it may be in the making (`sweep_dead_engines`)
+SWEEP_MIN_AGE_S = 2.0
 log = logging.getLogger("pd.engine")
 
 
 def private_tmpdir() -> str:
     """Give this process (an engine actor) a private TMPDIR, which vLLM's processes inherit (file stores, IPC
-    sockets) and `shutdown` removes. It has to be the actor's own environment, set before vLLM starts its processes:
-    the directory is made on the engine's node, so the launcher cannot name it in the runtime_env. torch.compile's
-    cache stays in the shared default place.
+    sockets) and `shutdown` removes; its owner file names the actor (pid and start: `sweep_dead_engines` tells
+    a live engine's TMPDIR from a dead one's by it). It has to be the actor's own environment, set before vLLM
+    starts its processes: the directory is made on the engine's node, so the launcher cannot name it in the
+    runtime_env. The compile caches live elsewhere, kept across engines and restarts
+    (`actors.engine_settings.compile_cache_env`).
 
     Inductor's precompiled headers do not follow TORCHINDUCTOR_CACHE_DIR: torch 2.13 keeps them under
     `tempfile.gettempdir()`, here the private directory, so every engine whose processes compile a kernel (vLLM
@@ -40,14 +46,23 @@ def private_tmpdir() -> str:
     its own with g++ -O3 (~12 s of a core each time) before it could use the kernel already in the shared cache. Off
     (`TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0`, unless set): cached kernels load with no compiler run, and a
     kernel compiled for the first time on a machine compiles without the header."""
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    )
     os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
     tmpdir = tempfile.mkdtemp(prefix=TMPDIR_PREFIX)
+    with open(os.path.join(tmpdir, OWNER_FILE), "w") as owner:
+        owner.write(f"{os.getpid()} {start_ticks(os.getpid())}\n")
     os.environ["TMPDIR"] = tmpdir
     tempfile.tempdir = None  # make tempfile re-read TMPDIR
     return tmpdir
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of /proc/<pid>/stat): with the pid, it names
+    one process for good - a wall-clock start time moves when the system clock is stepped. None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _running(p: psutil.Process) -> bool:
@@ -185,9 +200,11 @@ class EngineProcesses:
                 pass
         return total
 
-    async def shutdown(self, timeout_s: float = 30.0) -> list[str]:
+    async def shutdown(self, timeout_s: float = 30.0, building: bool = False) -> list[str]:
         """Shut the engine down, wait for its processes, and remove the shared-memory files they left behind.
-        Returns the removed paths. The caller should `ray.kill` the actor afterwards."""
+        Returns the removed paths. The caller should `ray.kill` the actor afterwards. `building`: vLLM's engine is
+        being built meanwhile - it may still start a process after this: the TMPDIR stays (its processes carry it),
+        for the sweep once the actor is gone (`sweep_dead_engines`)."""
         children = _process_tree(self._me)[1:]
         shm = self._shm | _shm_paths(_process_tree(self._me))
         engine = self._live.take()
@@ -195,49 +212,178 @@ class EngineProcesses:
             await asyncio.to_thread(engine.shutdown, timeout_s)
         # multiprocessing's resource tracker lives as long as the actor; it goes with ray.kill
         engine_procs = [p for p in children if not _is_resource_tracker(p)]
-        _, alive = await asyncio.to_thread(psutil.wait_procs, engine_procs, timeout_s)
+        # an engine stopped while vLLM builds it has nobody to shut it down gracefully: its processes go at once
+        # (what they made is swept once the actor is gone: `sweep_dead_engines`)
+        _, alive = await asyncio.to_thread(psutil.wait_procs, engine_procs, timeout_s if engine is not None else 0)
         for p in alive:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        shm_removed, tmp_files = _remove_leftovers(shm, self.tmpdir)
+        shm_removed, tmp_files = _remove_leftovers(shm, None if building else self.tmpdir)
         return shm_removed + tmp_files
 
 
-LEFTOVER_WAIT_S = 60.0  # how long a dead engine's vLLM processes get to exit before its files are left alone
+LEFTOVER_WAIT_S = 10.0  # how long a dead engine's vLLM processes get to exit by themselves before they are killed
+
+
+def end_processes(procs: list[psutil.Process], wait_s: float) -> list[psutil.Process]:
+    """Give `procs` `wait_s` to exit by themselves, SIGKILL the rest and wait for them (10 s); those still running."""
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=10)
+    return [p for p in alive if _running(p)]  # a killed process whose parent has not reaped it yet is gone
+
+
+def _owner_alive(tmpdir: str) -> bool | None:
+    """Whether the actor that made engine TMPDIR `tmpdir` lives: the process its owner file names, with the start it
+    names (a pid reused since is another process). None: the directory has no owner file. (Not an flock: vLLM may
+    fork the engine's processes, and a forked child shares the actor's lock for as long as it lives.)"""
+    try:
+        with open(os.path.join(tmpdir, OWNER_FILE)) as f:
+            pid, started = (int(x) for x in f.read().split())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return True  # unreadable: leave it
+    if start_ticks(pid) != started:
+        return False
+    try:
+        return _running(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _made(tmpdir: str, st: os.stat_result) -> float:
+    """When an engine TMPDIR was made: its owner file's time (the directory's own changes with every file in it)."""
+    try:
+        return os.stat(os.path.join(tmpdir, OWNER_FILE)).st_ctime
+    except OSError:
+        return st.st_ctime
+
+
+def _processes_in(tmpdirs: set[str]) -> dict[str, list[psutil.Process]]:
+    """The live processes whose TMPDIR is one of `tmpdirs` (an engine's vLLM processes inherit its TMPDIR), by it."""
+    out: dict[str, list[psutil.Process]] = {}
+    for p in psutil.process_iter():
+        try:
+            tmpdir = p.environ().get("TMPDIR")
+            if tmpdir in tmpdirs and _running(p):
+                out.setdefault(tmpdir, []).append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return out
+
+
+def sweep_dead_engines(base: str | None = None, wait_s: float = LEFTOVER_WAIT_S,
+                       shm_prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
+    """On this node, remove what dead engines left, whatever point of its life each died at (loading, warming up,
+    serving, shutting down):
+    - each engine TMPDIR (TMPDIR_PREFIX, this user's, in `base`: the temporary directory) whose actor is gone (the
+      process its owner file names): the engine's vLLM processes still running under it (they inherit its TMPDIR)
+      are given `wait_s` to exit by themselves, then killed, and the directory removed;
+    - vLLM's shared-memory files (SHM_PREFIXES: CPU all-reduce segments, message queues, multiprocessing
+      semaphores) of this user that no process maps or holds open - they serve nobody; a live engine's are mapped by
+      its processes from the moment they exist. Files are listed before their holders are looked for, and none
+      younger than SWEEP_MIN_AGE_S is touched.
+    Returns the paths removed. Safe beside live engines: their actors live and their processes hold their files.
+    `shm_prefixes`: the shared-memory names considered (tests narrow them to their own)."""
+    base = base or tempfile.gettempdir()
+    uid, now = os.getuid(), time.time()
+    dead = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(TMPDIR_PREFIX)]
+    except OSError:
+        names = []
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != uid or not os.path.isdir(path) or now - _made(path, st) < SWEEP_MIN_AGE_S:
+            continue
+        if not _owner_alive(path):  # None (no owner file: not made by this code) is judged by its processes alone
+            dead.append(path)
+    removed: list[str] = []
+    if dead:
+        running = _processes_in(set(dead))
+        for path in [p for p in dead if running.get(p) and _owner_alive(p) is None]:
+            dead.remove(path)  # processes run under a TMPDIR without an owner: leave them be
+            running.pop(path)
+        end_processes([p for ps in running.values() for p in ps], wait_s)
+        for path in dead:
+            if any(_running(p) for p in running.get(path, [])):
+                log.warning("a dead engine's processes under %s outlived SIGKILL: its files stay", path)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed + _remove_unheld_shm(shm_prefixes)
+
+
+def _remove_unheld_shm(prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
+    """vLLM's shared-memory files (SHM_PREFIXES) of this user, older than SWEEP_MIN_AGE_S, that no process maps or
+    holds open: unlinked. Listed first, their holders looked for after, so a file made meanwhile is not considered."""
+    uid, now = os.getuid(), time.time()
+    files = {}
+    for inode, path in engine_shm_files().items():
+        if not os.path.basename(path).startswith(prefixes):
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_ctime >= SWEEP_MIN_AGE_S:
+            files[inode] = path
+    if not files:
+        return []
+    held = shm_inodes(psutil.pids())
+    removed = []
+    for inode, path in files.items():
+        if inode in held:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 @ray.remote(num_cpus=0)
-def clean_leftovers(leftovers: Leftovers) -> list[str]:
-    """On a dead engine's node (run it there): once none of its processes runs any more (vLLM's exit by themselves
-    when the engine actor is gone; up to LEFTOVER_WAIT_S), remove the shared-memory files and the TMPDIR they left -
-    4 MiB of resident /dev/shm per CPU all-reduce segment, otherwise until reboot. Returns the removed paths; removes
-    nothing while any of the processes still runs."""
-
-    def running() -> bool:
-        for pid, started in leftovers.procs:
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - started) < 1e-3 and _running(p):
-                    return True
-            except psutil.NoSuchProcess:
-                continue
-        return False
-
-    deadline = time.monotonic() + LEFTOVER_WAIT_S
-    while running():
-        if time.monotonic() > deadline:
-            log.warning("a dead engine's processes still run after %.0f s: its files stay", LEFTOVER_WAIT_S)
-            return []
-        time.sleep(0.5)
-    tmpdir = leftovers.tmpdir
-    had_tmpdir = os.path.isdir(tmpdir)
-    removed, _ = _remove_leftovers(leftovers.shm, tmpdir)
-    return removed + ([tmpdir] if had_tmpdir and not os.path.exists(tmpdir) else [])
+def sweep_node(wait_s: float = LEFTOVER_WAIT_S) -> list[str]:
+    """`sweep_dead_engines` as a Ray task: run it on the node to sweep (NodeAffinitySchedulingStrategy)."""
+    return sweep_dead_engines(wait_s=wait_s)
 
 
-def _remove_leftovers(shm: Any, tmpdir: str) -> tuple[list[str], list[str]]:
+def sweep_nodes(node_ids: list[str] | None = None, wait_s: float = LEFTOVER_WAIT_S,
+                timeout_s: float = LEFTOVER_WAIT_S + 60) -> list[str]:
+    """`sweep_dead_engines` on each node of `node_ids` (every alive node when None), at once; the paths removed. A
+    node that cannot be reached is skipped (reported in the log)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        if node_ids is None:
+            node_ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        refs = [sweep_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(wait_s)
+                for node in dict.fromkeys(node_ids)]
+    except Exception as e:  # noqa: BLE001 - Ray itself is going: nothing to sweep with
+        log.warning("could not sweep for dead engines' files: %s", e)
+        return []
+    removed: list[str] = []
+    for ref in refs:
+        try:
+            removed += ray.get(ref, timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - its node may be gone
+            log.warning("could not sweep a node for dead engines' files: %s", e)
+    return removed
+
+
+def _remove_leftovers(shm: Any, tmpdir: str | None) -> tuple[list[str], list[str]]:
     """Unlink an engine's shared-memory files and remove its private TMPDIR - only paths an engine creates
     (SHM_PREFIXES under /dev/shm, a TMPDIR_PREFIX directory). Returns (the files unlinked, the files TMPDIR held)."""
     removed = []
@@ -249,7 +395,7 @@ def _remove_leftovers(shm: Any, tmpdir: str) -> tuple[list[str], list[str]]:
             except FileNotFoundError:
                 pass
     tmp_files: list[str] = []
-    if os.path.basename(tmpdir).startswith(TMPDIR_PREFIX):
+    if tmpdir is not None and os.path.basename(tmpdir).startswith(TMPDIR_PREFIX):
         for root, _, files in os.walk(tmpdir):
             tmp_files += [os.path.join(root, f) for f in files]
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -118,7 +118,7 @@ class EngineServing:
         if scored and isinstance(scored[0], BaseException):  # nobody will read the prefilled state: free it now
             await self.release([final.kv_transfer_params["remote_request_id"]])
             raise scored[0]
-        self._meter.served()
+        self._meter.served(request_id)
         self._totals.cached_prompt_tokens += final.num_cached_tokens or 0
         # vLLM's prefill side for remote decode computes all but the last prompt token, unless it samples the first
         self.prefixes.prefilled(prompt_token_ids, predicted, final.num_cached_tokens or 0,
@@ -289,7 +289,7 @@ class EngineServing:
         try:
             async for output in self._live.required().generate({"prompt_token_ids": list(prompt_token_ids)}, params,
                                                                request_id=request_id):
-                self._meter.served()
+                self._meter.served(request_id)
                 if colocated:
                     self._totals.cached_prompt_tokens += output.num_cached_tokens or 0
                     self.prefixes.prefilled(prompt_token_ids, predicted, output.num_cached_tokens or 0,

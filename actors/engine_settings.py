@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import random
 import socket
+from pathlib import Path
 from typing import Any
 
 from cluster.core.cores import shared_bind
 
 CONNECTOR_MODULE = "actors.connector"
+COMPILE_CACHE_ENV = "PD_COMPILE_CACHE_DIR"  # where every engine's compile caches live (`compile_cache_env`)
 
 
 def pd_kv_transfer_config(role: str, engine_id: str, device: str = "cpu") -> dict[str, Any]:
@@ -64,6 +66,36 @@ def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = 2048, dtyp
             kwargs["worker_extension_cls"] = f"{CONNECTOR_MODULE}.PDWorkerExtension"
     kwargs.update(engine_kwargs or {})
     return kwargs
+
+
+def default_compile_cache_dir() -> Path:
+    """The compile caches' directory when nothing names one: per user, under the XDG cache home
+    (~/.cache/hybrid-pd/compile), or under the temporary directory where the home is not writable."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    probe = base
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if os.access(probe, os.W_OK):
+        return base / "hybrid-pd" / "compile"
+    import getpass
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"hybrid-pd-compile-{getpass.getuser()}"
+
+
+def compile_cache_env(device: str = "cpu") -> dict[str, str]:
+    """Where an engine's compilers keep what they built: one directory per user (PD_COMPILE_CACHE_DIR, else
+    `default_compile_cache_dir`), shared by every engine of the node - replacements and autoscaled engines load what
+    the first ones compiled - and kept across restarts. torch inductor's cache (by default under the temporary
+    directory, which a new machine or a cleaned /tmp empties), vLLM's own (its compiled graphs, VLLM_CACHE_ROOT) and,
+    on GPUs, Triton's. Always these, whatever the process inherited: torch sets TORCHINDUCTOR_CACHE_DIR in a
+    process's environment as it first uses its cache, and Ray's workers inherit the environment of the process that
+    started Ray (a pool's `env` may not name them: `cluster.core.config.COMPILE_CACHE_VARS`)."""
+    root = Path(os.environ.get(COMPILE_CACHE_ENV) or default_compile_cache_dir()).expanduser()
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "VLLM_CACHE_ROOT": str(root / "vllm")}
+    if device != "cpu":
+        env["TRITON_CACHE_DIR"] = str(root / "triton")
+    return env
 
 
 _HANDED_OUT: set[int] = set()

@@ -25,7 +25,9 @@ VERIFY_TIMINGS_KEPT = 4096  # verdict timings kept until someone reads them
 log = logging.getLogger("pd.engine")
 
 
-Checksums = Callable[[str, list[tuple[int, int, list[int], list[int]]]], Awaitable[dict[int, int]]]
+# (prefill engine id, items, still_checking) -> checksums by item: `EnginePairs.prefill_checksums`
+Checksums = Callable[[str, list[tuple[int, int, list[int], list[int]]], Callable[[], Awaitable[Any]]],
+                     Awaitable[dict[int, int]]]
 
 
 class EngineVerify:
@@ -46,6 +48,7 @@ class EngineVerify:
         self._seen: dict[str, float] = {}
         self._failed: dict[str, str] = {}
         self._task: asyncio.Task | None = None
+        self._checks: set[asyncio.Task] = set()  # one prefill engine's check each, under way (`_check`)
         self._grace_until = 0.0
         self._ms: list[float] = []
 
@@ -118,62 +121,76 @@ class EngineVerify:
                     self._seen.pop(req_id, None)
                 complete = {r: parts for r, parts in self._parts.items() if len(parts) == self.tp}
                 if complete:
-                    for req_id in complete:
+                    by_prefill: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
+                    for req_id, parts in complete.items():
                         del self._parts[req_id]
-                    await self.ranks.verify_done(await self._verdicts(complete))
+                        by_prefill.setdefault(parts[0]["prefill_engine"], {})[req_id] = parts
+                    # each prefill engine's check on its own: one in a long step is waited for (EnginePairs.
+                    # prefill_checksums) while the others' are checked and new reads keep being collected
+                    for prefill_id, batch in by_prefill.items():
+                        task = asyncio.get_running_loop().create_task(self._check(prefill_id, batch))
+                        self._checks.add(task)
+                        task.add_done_callback(self._checks.discard)
                     continue
-                if not (self._expected or self._parts or any(p["pending"] for p in polls)
+                if not (self._expected or self._parts or self._checks or any(p["pending"] for p in polls)
                         or time.monotonic() < self._grace_until):
                     return
                 await asyncio.sleep(VERIFY_POLL_S)
         except Exception as e:  # noqa: BLE001 - the workers fail what they hold once its verdict is overdue
             log.error("transfer verify loop of %s stopped: %s: %s", self.engine_id, type(e).__name__, e)
 
-    async def _verdicts(self, complete: dict[str, dict[int, dict[str, Any]]]) -> dict[str, bool]:
-        """Compare each request's CRCs with its prefill engine's over the same ranges; log and count mismatches."""
-        by_prefill: dict[str, list[str]] = {}
+    async def _check(self, prefill_id: str, batch: dict[str, dict[int, dict[str, Any]]]) -> None:
+        """The verdicts of one prefill engine's requests, sent to the workers. A failure here leaves the workers' own
+        timeout (VERIFY_TIMEOUT_S) to fail the requests: never a pass without a check."""
+        try:
+            await self.ranks.verify_done(await self._verdicts(prefill_id, batch))
+        except Exception as e:  # noqa: BLE001 - reported; the workers fail what they hold once its verdict is overdue
+            log.error("transfer verify of %s's reads from %s failed: %s: %s", self.engine_id, prefill_id,
+                      type(e).__name__, e)
+
+    async def _verdicts(self, prefill_id: str, complete: dict[str, dict[int, dict[str, Any]]]) -> dict[str, bool]:
+        """Compare each request's CRCs with prefill engine `prefill_id`'s over the same ranges (its requests all read
+        from it); log and count mismatches."""
+        items, expect = [], []
         for req_id, parts in complete.items():
-            by_prefill.setdefault(parts[0]["prefill_engine"], []).append(req_id)
+            for d_rank, part in sorted(parts.items()):
+                for p_rank, region, offsets, lengths, crc in part["checks"]:
+                    items.append((p_rank, region, offsets, lengths))
+                    expect.append((req_id, d_rank, p_rank, region, sum(lengths), crc))
+        unverifiable = None
+        try:
+            got = await self._prefill_checksums(
+                prefill_id, items, lambda ids=tuple(complete): self.ranks.verify_done({}, list(ids)))
+        except Exception as e:  # noqa: BLE001 - unverifiable is not verified
+            got, unverifiable = {}, f"no checksums from prefill engine {prefill_id} ({type(e).__name__}: {e})"
+            log.error("transfer verify: %s", unverifiable)
+        bad: dict[str, list[str]] = {}
+        for i, (req_id, d_rank, p_rank, region, nbytes, crc) in enumerate(expect):
+            if unverifiable is not None:
+                bad[req_id] = [f"could not be checked: {unverifiable}"]
+            elif got.get(i) != crc:
+                bad.setdefault(req_id, []).append(
+                    f"region {region} (decode rank {d_rank} from prefill rank {p_rank}, {nbytes} bytes) differs "
+                    "from the prefill side")
         verdicts: dict[str, bool] = {}
-        for prefill_id, req_ids in by_prefill.items():
-            items, expect = [], []
-            for req_id in req_ids:
-                for d_rank, part in sorted(complete[req_id].items()):
-                    for p_rank, region, offsets, lengths, crc in part["checks"]:
-                        items.append((p_rank, region, offsets, lengths))
-                        expect.append((req_id, d_rank, p_rank, region, sum(lengths), crc))
-            unverifiable = None
-            try:
-                got = await self._prefill_checksums(prefill_id, items)
-            except Exception as e:  # noqa: BLE001 - unverifiable is not verified
-                got, unverifiable = {}, f"no checksums from prefill engine {prefill_id} ({type(e).__name__}: {e})"
-                log.error("transfer verify: %s", unverifiable)
-            bad: dict[str, list[str]] = {}
-            for i, (req_id, d_rank, p_rank, region, nbytes, crc) in enumerate(expect):
-                if unverifiable is not None:
-                    bad[req_id] = [f"could not be checked: {unverifiable}"]
-                elif got.get(i) != crc:
-                    bad.setdefault(req_id, []).append(
-                        f"region {region} (decode rank {d_rank} from prefill rank {p_rank}, {nbytes} bytes) differs "
-                        "from the prefill side")
-            now = time.monotonic()
-            for req_id in req_ids:
-                remote_id = complete[req_id][0]["remote_request_id"]
-                verdicts[req_id] = req_id not in bad
-                self._expected.discard(remote_id)
-                ms = (now - self._seen.pop(req_id, now)) * 1e3
-                self._ms = (self._ms + [ms])[-VERIFY_TIMINGS_KEPT:]
-                self._totals.verify_seconds += ms / 1e3
-                if req_id in bad:
-                    what = "; ".join(bad[req_id])
-                    log.error("transfer verify failed: request %s, pair %s -> %s: %s", remote_id, prefill_id,
-                              self.engine_id, what)
-                    self._totals.verify_failures += 1
-                    self._failed[remote_id] = f"pair {prefill_id} -> {self.engine_id}: {what}"
-                    while len(self._failed) > VERIFY_FAILED_KEPT:
-                        del self._failed[next(iter(self._failed))]
-                else:
-                    self._totals.verified += 1
+        now = time.monotonic()
+        for req_id, parts in complete.items():
+            remote_id = parts[0]["remote_request_id"]
+            verdicts[req_id] = req_id not in bad
+            self._expected.discard(remote_id)
+            ms = (now - self._seen.pop(req_id, now)) * 1e3
+            self._ms = (self._ms + [ms])[-VERIFY_TIMINGS_KEPT:]
+            self._totals.verify_seconds += ms / 1e3
+            if req_id in bad:
+                what = "; ".join(bad[req_id])
+                log.error("transfer verify failed: request %s, pair %s -> %s: %s", remote_id, prefill_id,
+                          self.engine_id, what)
+                self._totals.verify_failures += 1
+                self._failed[remote_id] = f"pair {prefill_id} -> {self.engine_id}: {what}"
+                while len(self._failed) > VERIFY_FAILED_KEPT:
+                    del self._failed[next(iter(self._failed))]
+            else:
+                self._totals.verified += 1
         return verdicts
 
     async def checksums(self, items: list[tuple[int, int, list[int], list[int]]]) -> dict[int, int]:

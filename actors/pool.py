@@ -3,7 +3,8 @@ on its own signal (`actors/autoscale.py`).
 
 A replica's life:
   join   - claim an engine id from the coordinator, start the engine actor (named `pd-engine-<id>`, owned by the
-           replica: if the replica dies, so does its engine), wait for vLLM to load, register with the coordinator.
+           replica: if the replica dies, so does its engine), wait for vLLM to load and the engine to warm up
+           (`actors.engine_warmup`), register with the coordinator.
            The coordinator keeps the engine and its pairs hidden ("joining") until every pair's plan is installed,
            so the engine gets traffic only once it is fully negotiated. Timings go to the coordinator (`record_join`).
   serve  - Serve asks `record_autoscaling_stats` for the engine's load every second and `check_health` every 5 s (a
@@ -76,6 +77,7 @@ class PoolReplica:
             t_actor = time.time()
             await started
             t_loaded = time.time()
+            warm_up_s = (await engine.start_report())["warm_up_s"] or 0.0
             if self.leaving:
                 raise RuntimeError(f"pool replica stopped while engine {self.engine_id} was loading")
             await engine.register(self.coordinator)
@@ -90,8 +92,8 @@ class PoolReplica:
             "engine_id": self.engine_id, "role": self.role, "tp": spec.engine.tp, "cores": list(cores),
             "replica_started": t0,
             "registered": t_registered, "total_s": t_registered - t0,
-            "phases": {"actor_start_s": t_actor - t0, "engine_load_s": t_loaded - t_actor,
-                       "registration_s": t_registered - t_loaded},
+            "phases": {"actor_start_s": t_actor - t0, "engine_load_s": t_loaded - t_actor - warm_up_s,
+                       "warm_up_s": warm_up_s, "registration_s": t_registered - t_loaded},
         }
         self.coordinator.record_join(self.joined)
         log.info("engine %s joined the %s pool in %.1f s", self.engine_id, self.role, self.joined["total_s"])

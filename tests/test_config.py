@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,10 @@ def test_gpu_example_is_4p2d(tmp_path, monkeypatch):
         ({"prefill": {"placement": {"nodes": ["a"]}}}, "prefill.placement.nodes", "Extra inputs are not permitted"),
         ({"prefill": {"env": {"UCX TLS": "tcp"}}}, "prefill.env", "not an environment variable name"),
         ({"decode": {"env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}}}, "decode.env", "set per engine"),
+        ({"prefill": {"env": {"TORCHINDUCTOR_CACHE_DIR": "/x"}}}, "prefill.env", "engines.compile_cache_dir"),
+        ({"engines": {"compile_cache_dir": "cache"}}, "engines.compile_cache_dir", "an absolute path"),
+        ({"engines": {"busy_limit_s": 0}}, "engines.busy_limit_s", "greater than 0"),
+        ({"engines": {"warm_up": "sometimes"}}, "engines.warm_up", "valid boolean"),
     ],
 )
 def test_bad_fields_are_named(tmp_path, data, field, reason):
@@ -451,3 +456,28 @@ def test_the_http_limits_reach_the_front_end(tmp_path):
                                                     "local_prefill_when_idle": True}})
     settings = frontend_settings(Cluster(cfg, tmp_path, coordinator=None))
     assert (settings.local_prefill_speed, settings.local_prefill_queue, settings.local_prefill_when_idle) == (0.4, 2, True)
+
+
+def test_the_engines_settings_reach_every_engine(tmp_path, monkeypatch):
+    """`engines` becomes both pools' environment (compile cache, busy limit, warm-up off), and an engine's compile
+    caches live under that directory whatever its process inherited (torch writes TORCHINDUCTOR_CACHE_DIR into the
+    environment of a process that used its cache, and Ray's workers inherit it)."""
+    from actors.engine_settings import compile_cache_env, default_compile_cache_dir
+    from cluster.cli.launch import engine_launch
+    from cluster.cli.tiny_model import model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
+    cfg = DeployConfig.model_validate({"engines": {"compile_cache_dir": "~/cc", "busy_limit_s": 90, "warm_up": False}})
+    for role in ("prefill", "decode"):
+        env = engine_launch(cfg, role, str(tmp_path), f"{role}-0")["env"]
+        assert (env["PD_COMPILE_CACHE_DIR"], env["PD_ENGINE_BUSY_LIMIT_S"], env["PD_ENGINE_WARMUP"]) == ("~/cc", "90.0", "0")
+    assert not {"PD_COMPILE_CACHE_DIR", "PD_ENGINE_BUSY_LIMIT_S", "PD_ENGINE_WARMUP"} & engine_launch(
+        DeployConfig(), "decode", str(tmp_path), "decode-0")["env"].keys()  # the defaults: nothing to say
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_someone")  # inherited
+    monkeypatch.setenv("PD_COMPILE_CACHE_DIR", "~/cc")
+    home = os.path.expanduser("~")
+    assert compile_cache_env() == {"TORCHINDUCTOR_CACHE_DIR": f"{home}/cc/inductor", "VLLM_CACHE_ROOT": f"{home}/cc/vllm"}
+    assert compile_cache_env("cuda")["TRITON_CACHE_DIR"] == f"{home}/cc/triton"
+    monkeypatch.delenv("PD_COMPILE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_compile_cache_dir() == tmp_path / "xdg" / "hybrid-pd" / "compile"

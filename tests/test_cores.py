@@ -108,14 +108,14 @@ def test_reserved_cores_keep_the_clusters_own_processes_off_until_their_holder_d
         import actors.cores as ac
 
         with monkeypatch.context() as m:  # where /proc/locks cannot be read: the holder's pid must be alive
-            m.setattr(ac, "_flocked", lambda: None)
+            m.setattr(ac, "flocked_inodes", lambda: None)
             assert reserved_cores("node-a") == {0, 1, 3}
         os.kill(holder.pid, signal.SIGKILL)
         holder.join(10)
         assert os.path.exists(os.path.join(lock_dir, "node-a", "core-0"))  # left behind, but nobody holds it
         assert reserved_cores("node-a") == {3}
         with monkeypatch.context() as m:
-            m.setattr(ac, "_flocked", lambda: None)
+            m.setattr(ac, "flocked_inodes", lambda: None)
             assert reserved_cores("node-a") == {3}
         mine.release()
         plain.release()

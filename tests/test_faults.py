@@ -193,8 +193,10 @@ def test_requests_routed_to_a_dead_decode_are_retried(served, idle_free, gdn_mod
     # the coordinator removed them once the engine was confirmed dead and its processes gone
     gone = wait_for(lambda: not any(os.path.exists(p) for p in left.shm + (left.tmpdir,)), 60)
     print(f"{victim}'s {len(left.shm)} shared-memory files and TMPDIR removed {gone:.2f} s after the requests")
-    removed = set(ray.get(served.coordinator.cleaned_up())[victim])  # some may go with their own process
-    assert left.tmpdir in removed and removed <= set(left.shm) | {left.tmpdir} and len(removed) >= 2
+    # the coordinator's sweep of the victim's node did it (some files may go with their own process; the sweep also
+    # takes whatever else dead engines left there)
+    removed = set(ray.get(served.coordinator.cleaned_up())[victim])
+    assert left.tmpdir in removed and len(removed & (set(left.shm) | {left.tmpdir})) >= 2, removed
     served.engines.pop(victim)
     assert_no_leaked_blocks(served, idle_free)
 

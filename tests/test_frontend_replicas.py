@@ -26,6 +26,8 @@ from tests.pd_helpers import wait_for
 pytestmark = pytest.mark.engine
 MODEL = "tiny-hybrid"
 REPO = Path(__file__).resolve().parents[1]
+LONG_STREAMS = 10  # in flight at the kill, each on its own connection: some land on the front end that is killed
+LONG_TOKENS = 1800  # each far from its last token when its front end dies
 
 
 @pytest.fixture(scope="module")
@@ -111,16 +113,49 @@ def test_a_killed_frontend_restarts_while_the_other_serves(served):
             except Exception as e:  # noqa: BLE001 - counted
                 outcomes.append((t0, time.monotonic(), type(e).__name__))
 
+    # long streams, each on a connection of its own, in flight at the kill: those on the killed front end die with
+    # it and must be aborted in the engines - they would decode for many more seconds otherwise
+    streams: dict[int, str] = {}
+
+    def long_stream(i: int) -> None:
+        streams[i] = "starting"
+        try:
+            with openai.OpenAI(**client_kw) as c:
+                for _ in c.completions.create(model=MODEL, prompt="a long answer", max_tokens=LONG_TOKENS,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    streams[i] = "streaming"
+            streams[i] = "done"
+        except Exception:  # noqa: BLE001 - it died with its front end
+            streams[i] = "died"
+
     clients = [threading.Thread(target=client_loop, daemon=True) for _ in range(4)]
+    longs = [threading.Thread(target=long_stream, args=(i,), daemon=True) for i in range(LONG_STREAMS)]
     try:
         for t in clients:
             t.start()
         wait_for(lambda: sum(o[2] == "ok" for o in outcomes) >= 8, 120)
+        for t in longs:
+            t.start()
+        wait_for(lambda: sum(v == "streaming" for v in streams.values()) == LONG_STREAMS, 60)
         before = infos(served)[0]
         port = int(served.url.rsplit(":", 1)[1])
         assert listeners(port) == 2
         killed_at = time.monotonic()
         os.kill(before["pid"], signal.SIGKILL)
+        wait_for(lambda: "died" in streams.values(), 10, poll_s=0.05)
+        time.sleep(0.5)  # every stream of the killed front end has seen its connection go
+        dead = sum(v == "died" for v in streams.values())
+        # within seconds the engines hold only what live clients still wait for: the surviving long streams and at
+        # most one short request per client loop - not the dead front end's streams, far from their last token
+        unfinished: list[int] = []
+        running = lambda: sum(v == "streaming" for v in streams.values()) + len(clients)  # noqa: E731
+        try:
+            wait_for(lambda: unfinished.append(sum(ray.get(
+                [e.num_unfinished() for e in served.refresh_engines().values()], timeout=10))) or
+                unfinished[-1] <= running(), 5, poll_s=0.2)
+        except AssertionError:
+            raise AssertionError(f"the engines still run {unfinished[-1]} requests, {running()} live: the killed front "
+                                 f"end's {dead} streams were not aborted") from None
         # a connection made while the process is dying may land in its listening socket's queue and be reset with it
         # (as the requests in flight on it are), and a process's sockets close only when its last thread has exited
         # (its main thread shows as a zombie before that): the port is held to answering from the moment the killed
@@ -142,8 +177,8 @@ def test_a_killed_frontend_restarts_while_the_other_serves(served):
         time.sleep(2)  # a few requests on the restarted front end too
     finally:
         stop.set()
-        for t in clients:
-            t.join(timeout=90)
+        for t in clients + longs:
+            t.join(timeout=120)
         watcher.join(timeout=30)
     print(f"front end 0 back after {back_after:.1f} s; {len(answers)} /health answers meanwhile, the slowest in "
           f"{max(a[2] for a in answers):.2f} s; said: {said}")
@@ -154,6 +189,8 @@ def test_a_killed_frontend_restarts_while_the_other_serves(served):
     print(f"{len(outcomes)} requests, failed: {failed}")
     # only requests in flight on the killed process may fail: at most one per client, all begun before the kill
     assert len(failed) <= len(clients) and all(o[0] <= killed_at + 0.5 for o in failed), failed
+    print(f"long streams: {dead} died with the killed front end, the others {sorted(set(streams.values()))}")
+    assert dead >= 1 and set(streams.values()) <= {"died", "done"}, streams
     assert sum(o[0] > killed_at + back_after for o in outcomes if o[2] == "ok") >= 1
     assert any("front end 0" in s and "restarted" in s for s in said), said
     assert any(h and h["frontend"] == 0 for h in (health(served.url) for _ in range(40)))

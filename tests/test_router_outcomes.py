@@ -523,26 +523,58 @@ def test_the_coordinator_checks_a_burst_of_reports_of_one_engine_once():
     assert asyncio.run(coordinator.engine_failed("decode-0")) is False and len(asked) == 2  # a later report asks again
 
 
+def _registration(engine_id: str, role: str = "prefill"):
+    """A real registration of a Qwen3.5-0.8B-shaped engine at TP 1: its Hugging Face config and one rank's layout
+    report as a running engine's worker writes it (`actors.engine_report`), here computed offline."""
+    from pathlib import Path
+
+    from actors.engine_client import Registration
+    from cluster.core.hf_config import load_config, model_shape
+    from cluster.core.layout import offline_layout
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3.5-0.8b.json")
+    lay = offline_layout(model_shape(config), 1, "bfloat16", "float32", conv_layout="SD")
+    report = {"tp": 1, "dtype": lay.dtype, "ssm_dtype": lay.ssm_dtype, "block_size": lay.block_size,
+              "kernel_block_size": lay.kernel_block_size, "page_bytes": lay.page_bytes,
+              "groups": [{"kind": g.kind, "layers": list(g.layers)} for g in lay.groups],
+              "conv_layout": lay.conv_layout, "kv_layout": "HND"}
+    bases = list(range(0, lay.num_regions << 30, 1 << 30))  # where each region's memory starts
+    return Registration(engine_id, role, "m", config, [{"tp_rank": 0, "layout": report, "region_bases": bases}])
+
+
 def test_an_engine_the_rebuilt_registry_already_holds_registers_again():
     """A coordinator killed while an engine registers rebuilds its registry from the live engines, that one
     included; the engine's own registration then arrives: it is the same engine, not a second one under a taken id,
     so it is answered with its pairs (it used to be refused, and its pool replica failed and took the engine with it).
-    Another engine under that id is still refused."""
+    Another engine under that id is still refused - by the registry itself, naming the field."""
     from actors.coordinator import CoordinatorActor
-    from cluster.core.coordinator import Coordinator, RegistrationError
+    from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
+    from cluster.core.hf_config import model_shape
+    from cluster.core.layout import layout_from_report
 
     cls = CoordinatorActor.__ray_actor_class__
     coordinator = cls.__new__(cls)
     coordinator.core, coordinator.clients, coordinator.restarted = Coordinator(), {}, False
+    coordinator._watcher = SimpleNamespace(done=lambda: False)  # the health watch: running (not started here)
+    coordinator._routes_moved, coordinator.leftovers = None, {}
     engine, other = SimpleNamespace(name="prefill-1 actor"), SimpleNamespace(name="another actor")
+    registration = _registration("prefill-1")
+
+    def record(reg):
+        return EngineRecord(reg.engine_id, reg.role, "m", layout_from_report(reg.layout, model_shape(reg.hf_config)),
+                            [dict(reg.ranks[0])])
+
+    # what the rebuild registered: the engine's real record, and a decode engine it pairs with
+    coordinator.core.register(record(_registration("decode-0", "decode")))
+    coordinator.core.register(record(registration))
+    coordinator.core.register(record(_registration("prefill-0")))
     coordinator.clients["prefill-1"] = engine
-    coordinator.core.pairs[("prefill-1", "decode-0")] = object()
-    coordinator.core.pairs[("prefill-0", "decode-0")] = object()
-    registration = SimpleNamespace(engine_id="prefill-1")
     answer = asyncio.run(coordinator.register(registration, engine))
-    assert answer == {"engine_id": "prefill-1", "pairs": [("prefill-1", "decode-0")]}
-    with pytest.raises((RegistrationError, AttributeError)):  # goes on to a real registration, which refuses it
+    assert answer == {"engine_id": "prefill-1", "pairs": [("prefill-1", "decode-0")]}  # its own pairs only
+    with pytest.raises(RegistrationError, match="'prefill-1' is already registered") as refused:
         asyncio.run(coordinator.register(registration, other))
+    assert refused.value.field == "engine_id"
+    assert coordinator.clients["prefill-1"] is engine  # the refused one took nothing over
 
 
 def test_an_engine_silent_for_longer_than_the_limit_is_unresponsive():

@@ -173,7 +173,9 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
             if pending:
                 engines = ray.get(cluster.coordinator.describe())["engines"]
                 ready = ", ".join(sorted(engines)) or "none"
-                progress(f"  loading engines ({time.monotonic() - t0:.0f} s); registered so far: {ready}")
+                doing = engine_phases(cfg.coordinator.namespace, skip=set(engines))
+                progress(f"  starting engines ({time.monotonic() - t0:.0f} s): {doing or 'actors starting'}; "
+                         f"registered so far: {ready}")
         cluster.refresh_engines()
         for info in ray.get(cluster.coordinator.pool_events())["joins"]:
             progress(f"{info['engine_id']} (TP {info['tp']}{_cores(info)}) joined in {info['total_s']:.0f} s "
@@ -188,6 +190,31 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     finally:
         pool_exec.shutdown(wait=False, cancel_futures=True)
     return cluster
+
+
+def engine_phases(namespace: str, *, skip: set[str] = frozenset(), only: set[str] | None = None) -> str:
+    """What each starting engine of `namespace` is doing ("prefill-0 warming up (logprobs), decode-0 loading vLLM"),
+    asked of the engines themselves; engines in `skip` (registered already) left out, only those in `only` if given."""
+    import ray
+
+    from actors.engine_client import ENGINE_PREFIX, EngineClient
+
+    ids = sorted(a["name"][len(ENGINE_PREFIX):] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == namespace and a["name"].startswith(ENGINE_PREFIX))
+    ids = [e for e in ids if e not in skip and (only is None or e in only)]
+    refs = {}
+    for engine_id in ids:
+        try:
+            refs[engine_id] = EngineClient.named(engine_id, namespace).phase()
+        except ValueError:  # gone meanwhile
+            pass
+    said = []
+    for engine_id, ref in refs.items():
+        try:
+            said.append(f"{engine_id} {ray.get(ref, timeout=2)}")
+        except Exception:  # noqa: BLE001 - an actor still starting answers nothing yet
+            said.append(f"{engine_id} starting its actor")
+    return ", ".join(said)
 
 
 def _cores(join: dict[str, Any]) -> str:
@@ -234,9 +261,13 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
                 engine_id, tp = pending.pop(ref)
                 took = ray.get(ref)
                 cores = ray.get(cluster.engines[engine_id].cores())
-                progress(f"{engine_id} (TP {tp}{_cores({'cores': cores})}) loaded in {took:.0f} s")
+                warm = ray.get(cluster.engines[engine_id].start_report())["warm_up_s"] or 0.0
+                progress(f"{engine_id} (TP {tp}{_cores({'cores': cores})}) started in {took:.0f} s "
+                         f"(vLLM {took - warm:.0f} s, warm-up {warm:.0f} s)")
             if pending and not done:
-                progress(f"  still loading: {', '.join(e for e, _ in pending.values())} ({time.monotonic() - t0:.0f} s)")
+                loading = {e for e, _ in pending.values()}
+                doing = engine_phases(cfg.coordinator.namespace, only=loading) or ", ".join(sorted(loading))
+                progress(f"  still starting ({time.monotonic() - t0:.0f} s): {doing}")
         cluster.timings["engines_s"] = time.monotonic() - t0
         for engine_id in sorted(cluster.engines, key=lambda e: not e.startswith("prefill")):
             result = ray.get(cluster.engines[engine_id].register(coordinator))
@@ -296,6 +327,7 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
     from cluster.core.verify import VERIFY_ENV
 
     pool = getattr(cfg, role)
+    shared_env = cfg.engines.env()  # compile caches, the busy limit, the warm-up (`engines`)
     engine_kwargs: dict[str, Any] = {"enable_prefix_caching": prefix_caching(cfg, role, model_dir)}
     if pool.max_num_batched_tokens is not None:
         engine_kwargs["max_num_batched_tokens"] = pool.max_num_batched_tokens
@@ -303,7 +335,7 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
     if cfg.device == "cuda":
         engine_kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
         return {"num_gpus": pool.tp, "engine_kwargs": engine_kwargs,
-                "extra_env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", **pool.env}, **placement}
+                "extra_env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", **shared_env, **pool.env}, **placement}
     # vLLM-CPU's VLLM_CPU_KVCACHE_SPACE takes whole GiB only: the exact size goes as vLLM's own engine argument
     # (its CPU worker honours it; `launch_env` then leaves the variable out)
     engine_kwargs["kv_cache_memory_bytes"] = int(pool.kv_cache_gib * 2**30)
@@ -314,7 +346,8 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
     if block_size is not None:
         engine_kwargs["block_size"] = block_size
         check_local_prefill_budget(cfg, role, block_size)
-    return {"extra_env": {**env, **pool.env}, "engine_kwargs": engine_kwargs, "own_cores": pool.cores_per_engine,
+    return {"extra_env": {**shared_env, **env, **pool.env}, "engine_kwargs": engine_kwargs,
+            "own_cores": pool.cores_per_engine,
             "reserve_cores": pool.reserves_cores(role), "borrow_cores": pool.borrows_cores(role), **placement}
 
 
@@ -608,6 +641,7 @@ def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Ca
     from ray import serve
 
     from actors.engine import stop_engine_actors
+    from actors.engine_procs import sweep_nodes
 
     _stop_frontend(cluster, progress)
     try:  # an engine that died just before the stop: its files go now, not with the coordinator's clean-up
@@ -619,12 +653,35 @@ def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Ca
         _stop_pools(cluster, progress)
     else:
         stop_engine_actors(list(cluster.engines.values()))
+    # what no engine's own stop could remove (an engine whose pool replica was killed, or that was still starting),
+    # once every engine actor of the deployment is gone (a live actor's files are not touched)
+    _wait_engines_gone(cluster.cfg.coordinator.namespace)
+    swept = sweep_nodes()
+    if swept:
+        progress(f"removed what stopped engines left: {len(swept)} files and directories")
     if shutdown_serve:
         try:
             serve.shutdown()
         except Exception as e:  # noqa: BLE001
             progress(f"could not shut Serve down: {e}")
     cluster.coordinator.kill()
+
+
+def _wait_engines_gone(namespace: str, timeout_s: float = 60.0) -> None:
+    """Until no engine actor of `namespace` lives (Ray lists named actors until they are dead), at most `timeout_s`."""
+    import ray
+
+    from actors.engine_client import ENGINE_PREFIX
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if not any(a["namespace"] == namespace and a["name"].startswith(ENGINE_PREFIX)
+                       for a in ray.util.list_named_actors(all_namespaces=True)):
+                return
+        except Exception:  # noqa: BLE001 - Ray itself going: nothing more to wait for
+            return
+        time.sleep(0.5)
 
 
 def watch_pools(cluster: Cluster, stop: Any, progress: Callable[[str], None] = say, interval_s: float = 2.0) -> None:

@@ -58,6 +58,8 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RESOURCE_NAME = re.compile(r"[A-Za-z0-9_.:/-]+")
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 PER_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)  # each engine gets its own (actors.engine_settings.engine_env)
+# where the engines' compilers keep their work: `engines.compile_cache_dir` (actors.engine_settings.compile_cache_env)
+COMPILE_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR")
 
 
 class PlacementConfig(_Strict):
@@ -149,6 +151,9 @@ class PoolConfig(_Strict):
             if name in PER_ENGINE_ENV:
                 raise ValueError(f"env: {name} is set per engine by the launcher (two engines on one host with one "
                                  "side-channel port hang at start)")
+            if name in COMPILE_CACHE_VARS:
+                raise ValueError(f"env: {name} follows engines.compile_cache_dir (every compile cache of the "
+                                 "engines in one directory); set that instead")
         return v
 
     @model_validator(mode="after")
@@ -301,6 +306,44 @@ class CoordinatorConfig(_Strict):
     engine_start_timeout_s: float = Field(600, gt=0, le=7200, description="give up on an engine that takes longer")
 
 
+class EnginesConfig(_Strict):
+    """What every engine of both pools shares: where compilers keep their work, how a busy engine is told from a hung
+    one, and the warm-up before an engine serves."""
+
+    compile_cache_dir: str | None = Field(
+        None, min_length=1, description="where the engines' compile caches live (torch inductor's, vLLM's, on GPUs "
+        "Triton's), shared by every engine of a node and kept across restarts, so that replacements and autoscaled "
+        "engines load what the first ones compiled. Default: ~/.cache/hybrid-pd/compile on each node (under "
+        "$XDG_CACHE_HOME if set); a path starting with ~ is that node's home")
+    busy_limit_s: float | None = Field(
+        None, gt=0, le=86400, description="an engine whose EngineCore has not answered between steps, while its "
+        "processes burn CPU (compiling, a long step), is busy and waited for - up to this long; then it is stuck all "
+        "the same. A stopped or idle one is stuck at once (past twice its slowest step plus PD_ENGINE_STALL_S). "
+        "Default: 600 on CPU hosts, 180 on CUDA hosts (a hung kernel spins a host core)")
+    warm_up: bool = Field(
+        True, description="before an engine registers, run one request per feature that compiles or builds something "
+        "on first use (logprobs, sampling paths, structured output), alone and batched, and a prompt longer than its "
+        "step budget; off: the first user request of each kind pays it (tests and debugging only)")
+
+    @field_validator("compile_cache_dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith("/") or v.startswith("~")):
+            raise ValueError(f"must be an absolute path (or start with ~), got {v!r}: engines run in other "
+                             "directories, on other nodes")
+        return v
+
+    def env(self) -> dict[str, str]:
+        """The engines' environment for these settings (`actors.engine_settings.compile_cache_env`,
+        `actors.engine_progress.stall_rule`, `actors.engine.EngineActor.start`)."""
+        out = {} if self.warm_up else {"PD_ENGINE_WARMUP": "0"}
+        if self.compile_cache_dir is not None:
+            out["PD_COMPILE_CACHE_DIR"] = self.compile_cache_dir
+        if self.busy_limit_s is not None:
+            out["PD_ENGINE_BUSY_LIMIT_S"] = repr(self.busy_limit_s)
+        return out
+
+
 class TransferConfig(_Strict):
     verify: float = Field(0.0, description="fail-closed transfers: the fraction of requests whose every byte read by the "
                           "decode engine is checked against the prefill engine's (CRC-32 per region) before the first "
@@ -358,6 +401,7 @@ class DeployConfig(_Strict):
     prefill: PoolConfig = PoolConfig(tp=1)
     decode: PoolConfig = PoolConfig(tp=1)
     coordinator: CoordinatorConfig = CoordinatorConfig()
+    engines: EnginesConfig = EnginesConfig()
     http: HttpConfig = HttpConfig()
     transfer: TransferConfig = TransferConfig()
     routing: RoutingConfig = RoutingConfig()

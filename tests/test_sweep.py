@@ -1,0 +1,121 @@
+"""What a dead engine leaves is swept (`actors.engine_procs.sweep_dead_engines`), whenever it died - loading included,
+when nobody could ask it what it held. Real processes play an engine actor (it makes its private TMPDIR, its owner
+file naming it, and maps a shared-memory segment of vLLM's kind) and a vLLM process under it (its TMPDIR inherited): while
+the actor lives nothing of it is touched; once it is SIGKILLed its process is killed, its TMPDIR and segment removed -
+and a segment some live process maps stays, as does one too young to judge."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+import actors.engine_procs as procs
+
+REPO = Path(__file__).resolve().parents[1]
+OURS = ("psm_hpdtest_",)  # the segments these tests make: the sweeps here touch no other file of the machine
+
+ENGINE = """
+import mmap, os, subprocess, sys, time
+sys.path.insert(0, {repo!r})
+from actors.engine_procs import private_tmpdir
+tmpdir = private_tmpdir()
+fd = os.open({shm!r}, os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+segment = mmap.mmap(fd, 4096)
+os.close(fd)
+core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # inherits TMPDIR
+print(tmpdir, core.pid, flush=True)
+time.sleep(300)
+"""
+
+HOLDER = """
+import mmap, os, time
+fd = os.open({shm!r}, os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+segment = mmap.mmap(fd, 4096)
+os.close(fd)
+print("ok", flush=True)
+time.sleep(300)
+"""
+
+
+def _start(code: str) -> tuple[subprocess.Popen, list[str]]:
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    return p, p.stdout.readline().split()
+
+
+def test_a_dead_engines_files_go_and_a_live_ones_stay(tmp_path, monkeypatch):
+    monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 0.5)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the engines' TMPDIRs are made here (and swept from here)
+    tag = uuid.uuid4().hex[:8]
+    seg, held = (f"/dev/shm/psm_hpdtest_{tag}_{kind}" for kind in ("engine", "held"))
+    engine, (tmpdir, core_pid) = _start(ENGINE.format(repo=str(REPO), shm=seg))
+    holder, _ = _start(HOLDER.format(shm=held))
+    core = psutil.Process(int(core_pid))
+    try:
+        assert os.path.dirname(tmpdir) == str(tmp_path) and os.path.isdir(tmpdir)
+        time.sleep(0.6)
+        removed = procs.sweep_dead_engines(str(tmp_path), wait_s=1, shm_prefixes=OURS)
+        assert not {tmpdir, seg, held} & set(removed)  # a live engine, a held segment: untouched
+        assert os.path.isdir(tmpdir) and os.path.exists(seg) and core.is_running()
+
+        engine.kill()  # the actor dies; its process lives on, holding the engine's TMPDIR in its environment
+        engine.wait()
+        time.sleep(0.6)
+        t0 = time.monotonic()
+        removed = procs.sweep_dead_engines(str(tmp_path), wait_s=1, shm_prefixes=OURS)
+        took = time.monotonic() - t0
+        assert tmpdir in removed and seg in removed, removed
+        assert not os.path.exists(tmpdir) and not os.path.exists(seg)
+        assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE  # killed after its wait
+        assert os.path.exists(held) and held not in removed  # another process maps it
+        assert took < 15, took
+    finally:
+        for p in (engine, holder):
+            p.kill()
+            p.wait()
+        try:
+            core.kill()
+        except psutil.NoSuchProcess:
+            pass
+        for path in (seg, held):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_young_unheld_segment_is_left_and_an_old_one_removed(tmp_path, monkeypatch):
+    """Files are judged only past SWEEP_MIN_AGE_S: one just made may be between its creation and its mapping."""
+    monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 1.0)
+    path = f"/dev/shm/psm_hpdtest_{uuid.uuid4().hex[:8]}_age"
+    Path(path).write_bytes(b"x")
+    try:
+        assert path not in procs.sweep_dead_engines(str(tmp_path), wait_s=0, shm_prefixes=OURS)
+        assert os.path.exists(path)
+        time.sleep(1.1)
+        assert path in procs.sweep_dead_engines(str(tmp_path), wait_s=0, shm_prefixes=OURS)
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("name", ["other_prefix_hpdtest", "psm_hpdtest_dir"])
+def test_only_vllms_kinds_of_files_are_swept(tmp_path, monkeypatch, name):
+    monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 0.0)
+    path = f"/dev/shm/{name}_{uuid.uuid4().hex[:8]}"
+    if name.endswith("dir"):
+        os.mkdir(path)  # a directory of that name is no segment
+    else:
+        Path(path).write_bytes(b"x")
+    try:
+        swept = procs.sweep_dead_engines(str(tmp_path), wait_s=0, shm_prefixes=("other_prefix_hpdtest", *OURS))
+        assert path not in swept and os.path.exists(path)
+    finally:
+        (os.rmdir if os.path.isdir(path) else os.unlink)(path)
