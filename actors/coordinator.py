@@ -169,8 +169,15 @@ class CoordinatorActor:
         async def one(p: str, d: str) -> None:
             request_id = f"{WARMUP_REQUEST_PREFIX}{p}-{d}-{uuid.uuid4().hex[:8]}"
             prefilled = await self.clients[p].prefill(prompt, request_id)
-            async for ref in self.clients[d].decode(prompt, dict(sampling), prefilled.kv_transfer_params, request_id):
-                await ref
+            try:
+                async for ref in self.clients[d].decode(prompt, dict(sampling), prefilled.kv_transfer_params,
+                                                        request_id):
+                    await ref
+            except BaseException:  # the state was not read: the prefill engine frees it now (a no-op once read)
+                remote_id = prefilled.kv_transfer_params.get("remote_request_id")
+                if remote_id:
+                    await asyncio.gather(self.clients[p].release([remote_id]), return_exceptions=True)
+                raise
 
         t0 = time.monotonic()
         results = await asyncio.gather(*(asyncio.wait_for(one(p, d), FIRST_TRANSFER_TIMEOUT_S) for p, d in pairs),
