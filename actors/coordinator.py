@@ -174,9 +174,9 @@ class CoordinatorActor:
                                                         request_id):
                     await ref
             except BaseException:  # the state was not read: the prefill engine frees it now (a no-op once read)
-                remote_id = prefilled.kv_transfer_params.get("remote_request_id")
-                if remote_id:
-                    await asyncio.gather(self.clients[p].release([remote_id]), return_exceptions=True)
+                remote_id, prefill = prefilled.kv_transfer_params.get("remote_request_id"), self.clients.get(p)
+                if remote_id and prefill is not None:
+                    await asyncio.gather(prefill.release([remote_id]), return_exceptions=True)
                 raise
 
         t0 = time.monotonic()
