@@ -311,8 +311,8 @@ class CoordinatorActor:
         return dict(self.cleaned)
 
     def _clean_after(self, engine_id: str) -> None:
-        """Remove what a dead engine's processes left on its node (shared memory, TMPDIR) once they have exited: a
-        sweep of its node (`actors.engine_procs.sweep_dead_engines`)."""
+        """Remove what a dead engine's processes left on its node (shared memory, TMPDIR) once they have exited
+        (killed if they have not within LEFTOVER_WAIT_S): a sweep of its node (`actors.engine_procs.sweep_after`)."""
         leftovers = self.leftovers.pop(engine_id, None)
         if not leftovers:
             return
@@ -321,7 +321,7 @@ class CoordinatorActor:
         from actors.engine_procs import sweep_node
 
         where = NodeAffinitySchedulingStrategy(leftovers.node_id, soft=False)
-        ref = sweep_node.options(scheduling_strategy=where).remote()
+        ref = sweep_node.options(scheduling_strategy=where).remote(dying=leftovers.procs)
 
         async def wait() -> None:
             try:

@@ -46,6 +46,7 @@ log = logging.getLogger("pd.channel")
 SOCKET_BACKLOG = 10_000  # decode-channel messages a front end may leave unread on the socket before its channel ends
 HELLO_TIMEOUT_S = 10.0  # a decode engine must reach a new channel's local socket within this
 NODE_TIMEOUT_S = 10.0  # an engine that does not say which node it runs on within this gets the Ray stream
+PEER_CHECK_S = 1.0  # an idle local channel checks this often whether its front end's socket is still there
 STALL_S = 5.0  # a decode stream (or a prefill) silent this long has its engine's health asked; a hung one fails over
 
 
@@ -112,15 +113,35 @@ async def send_outputs(outbox: Outbox, channel_id: str, address: str | None) -> 
     """The engine's end of one channel: yields the opening item (an empty batch: requests may join from now on), then
     each batch taken from `outbox` - or, with `address`, sends them on the front end's socket instead (after a hello)
     and yields nothing more while the channel lasts. When it ends (the engine stops, Ray cancels the stream, the front
-    end stops reading), the requests still running on it are cancelled: their generate() aborts them in the engine."""
-    sock = None
+    end stops reading, or its socket closes), the requests still running on it are cancelled: their generate()
+    aborts them in the engine.
+
+    A front end that dies (SIGKILL, OOM) takes its socket with it, but neither the channel's Ray stream - which
+    yields nothing more once the socket carries the messages, so Ray never finds the reader gone - nor the socket's
+    queue (SOCKET_BACKLOG messages, minutes of steps) would tell: its requests would decode to their last token for
+    nobody. The socket's monitor does, at once: the front end's end disconnecting ends the channel (checked before
+    each message, and every PEER_CHECK_S while none is sent)."""
+    sock = monitor = None
     try:
         if address is not None:
             sock = push_socket(address)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.send(pickle.dumps([]), zmq.NOBLOCK)  # hello: the front end opens the channel once it arrives
         yield []
         while True:
-            items = await outbox.take()
+            if monitor is None:
+                items = await outbox.take()
+            else:
+                try:
+                    items = await asyncio.wait_for(outbox.take(), PEER_CHECK_S)
+                except asyncio.TimeoutError:
+                    items = None
+                if monitor.poll(0):
+                    log.warning("decode channel %s: the front end's socket closed (the front end is gone); ended its "
+                                "%d requests", channel_id, len(outbox.tasks))
+                    return
+                if items is None:
+                    continue
             if outbox.overflowed:
                 log.warning("decode channel %s: the front end stopped reading its stream; ended its requests",
                             channel_id)
@@ -136,6 +157,9 @@ async def send_outputs(outbox: Outbox, channel_id: str, address: str | None) -> 
     finally:
         for task in list(outbox.tasks):
             task.cancel()
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
         if sock is not None:
             sock.close(linger=0)
 

@@ -354,10 +354,36 @@ def _remove_unheld_shm(prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
     return removed
 
 
+def _still_running(procs: Any) -> list[psutil.Process]:
+    """Of `procs` ((pid, create time) pairs, as `Leftovers.procs`), those still running - the same processes, not
+    later ones that took their pids."""
+    out = []
+    for pid, created in procs:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and _running(p):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def sweep_after(dying: Any, wait_s: float = LEFTOVER_WAIT_S, base: str | None = None,
+                shm_prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
+    """`sweep_dead_engines` after an engine Ray reports dead: its processes `dying` ((pid, create time),
+    `Leftovers.procs`, the actor's first) are given `wait_s` to exit, then killed, before the sweep. Ray confirms an
+    actor's death while its process may still be tearing down, and the engine's vLLM processes exit a moment after
+    it, still mapping its shared memory: a sweep then would find the owner alive and the files held, and leave them
+    for good."""
+    end_processes(_still_running(dying), wait_s)
+    return sweep_dead_engines(base, wait_s, shm_prefixes)
+
+
 @ray.remote(num_cpus=0)
-def sweep_node(wait_s: float = LEFTOVER_WAIT_S) -> list[str]:
-    """`sweep_dead_engines` as a Ray task: run it on the node to sweep (NodeAffinitySchedulingStrategy)."""
-    return sweep_dead_engines(wait_s=wait_s)
+def sweep_node(wait_s: float = LEFTOVER_WAIT_S, dying: tuple[tuple[int, float], ...] = ()) -> list[str]:
+    """`sweep_dead_engines` as a Ray task: run it on the node to sweep (NodeAffinitySchedulingStrategy); with
+    `dying`, `sweep_after` those processes."""
+    return sweep_after(dying, wait_s)
 
 
 def sweep_nodes(node_ids: list[str] | None = None, wait_s: float = LEFTOVER_WAIT_S,

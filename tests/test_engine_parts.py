@@ -256,3 +256,60 @@ def test_a_cancel_that_overtakes_its_submission_keeps_the_prefill_from_starting(
         return late, rid
 
     assert asyncio.run(run()) == ([], "p1") and len(engine.params) == 1
+
+
+def _reader(address: str, ready: Any) -> None:
+    """A front end's end of a local decode channel, in a process of its own: binds, reads forever."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.bind(address)
+    ready.set()
+    while True:
+        sock.recv()
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "streaming"])
+def test_a_front_end_killed_ends_its_local_channel_and_aborts_its_requests(tmp_path, busy):
+    """A front end SIGKILLed while its requests run: its socket goes with it, nothing else tells the engine (the
+    channel's Ray stream carries no more items once the socket does, the socket's queue holds minutes of steps). The
+    engine's end of the channel notices the socket close and cancels the requests - vLLM's generate() is cancelled,
+    which aborts them - whether they are streaming (checked before each message) or waiting (PEER_CHECK_S)."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from vllm.sampling_params import SamplingParams
+
+    from actors.decode_channel import PEER_CHECK_S
+
+    outs = [output("r1", [5 + i % 7], "x") for i in range(100_000)] if busy else [output("r1", [5], "a")]
+    engine = FakeVllm(outs, hold=True)
+    parts = Parts(engine)
+    address = f"ipc://{tmp_path}/channel"
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    reader = ctx.Process(target=_reader, args=(address, ready), daemon=True)
+    reader.start()
+    assert ready.wait(60)
+
+    async def run() -> float:
+        stream = parts.serving.decode_channel("c1", address)
+        assert await stream.__anext__() == []
+        ended = asyncio.ensure_future(stream.__anext__())
+        await parts.serving.submit_decode("c1", "r1", [1, 2, 3], SamplingParams(max_tokens=10**6), None)
+        await asyncio.sleep(0.5)
+        assert not ended.done() and engine.cancelled == []  # the front end lives: the request runs on
+        os.kill(reader.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(ended, 10)
+        await asyncio.sleep(0.05)  # the cancelled pump's last words
+        return time.monotonic() - t0
+
+    took = asyncio.run(run())
+    reader.join(10)
+    print(f"{'streaming' if busy else 'idle'} channel ended {took:.3f} s after its front end was killed")
+    assert engine.cancelled == ["r1"] and parts.serving._channels == {}
+    assert took < (0.5 if busy else PEER_CHECK_S + 0.5)

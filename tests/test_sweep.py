@@ -90,6 +90,52 @@ def test_a_dead_engines_files_go_and_a_live_ones_stay(tmp_path, monkeypatch):
                 os.unlink(path)
 
 
+def test_an_engine_reported_dead_while_its_processes_linger_is_swept_once_they_end(tmp_path, monkeypatch):
+    """Ray confirms a SIGKILLed actor's death while its process may still be tearing down, and the engine's vLLM
+    processes exit a moment later, still mapping its segments: a sweep at that moment finds a live owner and held
+    files. The coordinator's sweep names the dead engine's processes (`Leftovers.procs`): they get their wait, are
+    killed if still there, and only then is the node swept - here the actor is still running when the sweep starts,
+    as on a slow machine."""
+    monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 0.5)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    seg = f"/dev/shm/psm_hpdtest_{uuid.uuid4().hex[:8]}_lingering"
+    engine, (tmpdir, core_pid) = _start(ENGINE.format(repo=str(REPO), shm=seg))
+    actor, core = psutil.Process(engine.pid), psutil.Process(int(core_pid))
+    try:
+        time.sleep(0.6)
+        assert procs.sweep_dead_engines(str(tmp_path), wait_s=1, shm_prefixes=OURS) == []  # the owner "lives"
+        dying = ((actor.pid, actor.create_time()), (core.pid, core.create_time()))
+        t0 = time.monotonic()
+        removed = procs.sweep_after(dying, wait_s=1, base=str(tmp_path), shm_prefixes=OURS)
+        took = time.monotonic() - t0
+        assert tmpdir in removed and seg in removed, removed
+        assert not os.path.exists(tmpdir) and not os.path.exists(seg)
+        assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in (actor, core))  # killed
+        assert took < 15, took
+        assert procs.sweep_after(dying, wait_s=1, base=str(tmp_path), shm_prefixes=OURS) == []  # gone: nothing twice
+    finally:
+        for p in (actor, core):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        engine.wait()
+        if os.path.exists(seg):
+            os.unlink(seg)
+
+
+def test_a_later_process_on_a_dead_engines_pid_is_not_touched():
+    """`Leftovers.procs` names processes by (pid, create time): a process that took a dead one's pid is another."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = psutil.Process(sleeper.pid)
+        assert procs._still_running([(me.pid, me.create_time() - 5.0)]) == []
+        assert [p.pid for p in procs._still_running([(me.pid, me.create_time())])] == [me.pid]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_a_young_unheld_segment_is_left_and_an_old_one_removed(tmp_path, monkeypatch):
     """Files are judged only past SWEEP_MIN_AGE_S: one just made may be between its creation and its mapping."""
     monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 1.0)
