@@ -354,14 +354,14 @@ def _remove_unheld_shm(prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
     return removed
 
 
-def _still_running(procs: Any) -> list[psutil.Process]:
-    """Of `procs` ((pid, create time) pairs, as `Leftovers.procs`), those still running - the same processes, not
-    later ones that took their pids."""
+def still_running(procs: Any) -> list[psutil.Process]:
+    """Of `procs` ((pid, create time) pairs, as `Leftovers.procs`), those still running and not zombies - the same
+    processes, not later ones that took their pids (a create time within a second of the recorded one)."""
     out = []
     for pid, created in procs:
         try:
             p = psutil.Process(pid)
-            if p.create_time() == created and _running(p):
+            if abs(p.create_time() - created) < 1 and _running(p):
                 out.append(p)
         except psutil.NoSuchProcess:
             pass
@@ -375,7 +375,7 @@ def sweep_after(dying: Any, wait_s: float = LEFTOVER_WAIT_S, base: str | None = 
     actor's death while its process may still be tearing down, and the engine's vLLM processes exit a moment after
     it, still mapping its shared memory: a sweep then would find the owner alive and the files held, and leave them
     for good."""
-    end_processes(_still_running(dying), wait_s)
+    end_processes(still_running(dying), wait_s)
     return sweep_dead_engines(base, wait_s, shm_prefixes)
 
 

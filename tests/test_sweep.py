@@ -129,8 +129,8 @@ def test_a_later_process_on_a_dead_engines_pid_is_not_touched():
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         me = psutil.Process(sleeper.pid)
-        assert procs._still_running([(me.pid, me.create_time() - 5.0)]) == []
-        assert [p.pid for p in procs._still_running([(me.pid, me.create_time())])] == [me.pid]
+        assert procs.still_running([(me.pid, me.create_time() - 5.0)]) == []
+        assert [p.pid for p in procs.still_running([(me.pid, me.create_time())])] == [me.pid]
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -347,21 +347,6 @@ def _rss(pids: list[int]) -> int | None:
     return total if found else None
 
 
-def _alive(procs: tuple[tuple[int, float], ...]) -> list[int]:
-    """The (pid, start time) processes still running (not zombies, not a reused pid)."""
-    import psutil
-
-    out = []
-    for pid, created in procs:
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - created) < 1 and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 class Skipped(Exception):
     """A fault that finds nothing to fault now (its pool's only engine is still being replaced)."""
 
@@ -727,6 +712,7 @@ def soak_config(base: Any, frontends: int, port: int | None = None) -> Any:
 
 def run_soak(cfg: Any, args: argparse.Namespace, progress: Callable[[str], None] = say) -> dict[str, Any]:
     """Start `cfg`'s cluster (Ray must be initialised), soak it as `args` says, stop it; the report."""
+    from actors.engine_procs import still_running
     from cluster.cli.bench.faults import blocks_held, free_blocks
     from cluster.cli.launch import serve, stop_cluster
     from cluster.cli.bench.loadgen import percentile_ms
@@ -785,7 +771,7 @@ def run_soak(cfg: Any, args: argparse.Namespace, progress: Callable[[str], None]
         while True:
             files = sorted({p for e, lo in gone.items() for p in (*lo.shm, lo.tmpdir, *soak.faulted_shm.get(e, ()))
                             if os.path.exists(p)})
-            alive = [pid for lo in gone.values() for pid in _alive(lo.procs)]
+            alive = [p.pid for lo in gone.values() for p in still_running(lo.procs)]
             if not (files or alive) or time.monotonic() > waited:
                 break
             time.sleep(0.5)
