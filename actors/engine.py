@@ -629,5 +629,6 @@ def stop_engine_actors(engines: list[EngineClient], timeout_s: float = 60.0) -> 
     if alive:
         raise RuntimeError(f"engine processes still alive after stop: {[p.pid for p in alive]}")
     # what a shutdown could not see: processes an engine started while it was being stopped (stopped while loading),
-    # or everything of an engine that died first
-    return removed + sweep_nodes(nodes)
+    # or everything of an engine that died first - its actor's process may still be ending (killed a moment ago, by
+    # `engine.kill` or before): the sweep waits for it
+    return removed + sweep_nodes(nodes, dead_actors=tuple(e.actor_id for e in engines))

@@ -202,6 +202,12 @@ class EngineClient:
     def __repr__(self) -> str:
         return f"EngineClient({self.engine_id or self.handle})"
 
+    @property
+    def actor_id(self) -> str:
+        """The Ray actor's id (hex), as the actor's runtime context gives it - what its TMPDIR's owner file names
+        (`actors.engine_procs.private_tmpdir`). Ray's handle has no public accessor for it."""
+        return self.handle._actor_id.hex()
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, EngineClient) and self.handle == other.handle
 

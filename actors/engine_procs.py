@@ -26,7 +26,7 @@ from actors.engine_client import Leftovers
 # CPU all-reduce segments, message-queue segments, multiprocessing semaphores
 SHM_PREFIXES = ("vllm_dist_", "psm_", "sem.mp-")
 TMPDIR_PREFIX = "hpd-engine-"  # each engine's private TMPDIR (vLLM's vllm_dist_* file stores land there)
-OWNER_FILE = ".owner"  # in an engine's TMPDIR: "pid start-ticks" of the actor that made it (`start_ticks`)
+OWNER_FILE = ".owner"  # in an engine's TMPDIR: "pid start-ticks actor-id" of the actor that made it (`start_ticks`)
 # a /dev/shm file or TMPDIR younger than this is never swept: it may be in the making (`sweep_dead_engines`)
 SWEEP_MIN_AGE_S = 2.0
 log = logging.getLogger("pd.engine")
@@ -35,7 +35,8 @@ log = logging.getLogger("pd.engine")
 def private_tmpdir() -> str:
     """Give this process (an engine actor) a private TMPDIR, which vLLM's processes inherit (file stores, IPC
     sockets) and `shutdown` removes; its owner file names the actor (pid and start: `sweep_dead_engines` tells
-    a live engine's TMPDIR from a dead one's by it). It has to be the actor's own environment, set before vLLM
+    a live engine's TMPDIR from a dead one's by it; and its Ray actor id, "-" outside an actor: a sweep told that
+    actor is dead waits for its process to end). It has to be the actor's own environment, set before vLLM
     starts its processes: the directory is made on the engine's node, so the launcher cannot name it in the
     runtime_env. The compile caches live elsewhere, kept across engines and restarts
     (`actors.engine_settings.compile_cache_env`).
@@ -48,8 +49,9 @@ def private_tmpdir() -> str:
     kernel compiled for the first time on a machine compiles without the header."""
     os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
     tmpdir = tempfile.mkdtemp(prefix=TMPDIR_PREFIX)
+    actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
     with open(os.path.join(tmpdir, OWNER_FILE), "w") as owner:
-        owner.write(f"{os.getpid()} {start_ticks(os.getpid())}\n")
+        owner.write(f"{os.getpid()} {start_ticks(os.getpid())} {actor_id or '-'}\n")
     os.environ["TMPDIR"] = tmpdir
     tempfile.tempdir = None  # make tempfile re-read TMPDIR
     return tmpdir
@@ -239,23 +241,69 @@ def end_processes(procs: list[psutil.Process], wait_s: float) -> list[psutil.Pro
     return [p for p in alive if _running(p)]  # a killed process whose parent has not reaped it yet is gone
 
 
+def _owner(tmpdir: str) -> tuple[int, int, str] | None:
+    """(pid, start ticks, Ray actor id or "-") from engine TMPDIR `tmpdir`'s owner file; None: it has none.
+    ValueError: unreadable."""
+    try:
+        with open(os.path.join(tmpdir, OWNER_FILE)) as f:
+            fields = f.read().split()
+    except FileNotFoundError:
+        return None
+    if len(fields) not in (2, 3):  # two: written before owner files named the actor
+        raise ValueError(f"owner file of {tmpdir}: {fields}")
+    return int(fields[0]), int(fields[1]), fields[2] if len(fields) == 3 else "-"
+
+
+def _owner_process(tmpdir: str) -> psutil.Process | None:
+    """The running process that made engine TMPDIR `tmpdir`: its owner file's pid, with the start it names (a pid
+    reused since is another process); None when it is gone or the directory has no owner file."""
+    try:
+        owner = _owner(tmpdir)
+    except (OSError, ValueError):
+        return None
+    if owner is None or start_ticks(owner[0]) != owner[1]:
+        return None
+    try:
+        p = psutil.Process(owner[0])
+    except psutil.NoSuchProcess:
+        return None
+    return p if _running(p) else None
+
+
 def _owner_alive(tmpdir: str) -> bool | None:
     """Whether the actor that made engine TMPDIR `tmpdir` lives: the process its owner file names, with the start it
     names (a pid reused since is another process). None: the directory has no owner file. (Not an flock: vLLM may
     fork the engine's processes, and a forked child shares the actor's lock for as long as it lives.)"""
     try:
-        with open(os.path.join(tmpdir, OWNER_FILE)) as f:
-            pid, started = (int(x) for x in f.read().split())
-    except FileNotFoundError:
-        return None
+        if _owner(tmpdir) is None:
+            return None
     except (OSError, ValueError):
         return True  # unreadable: leave it
-    if start_ticks(pid) != started:
-        return False
+    return _owner_process(tmpdir) is not None
+
+
+def _end_dead_owners(base: str, dead_actors: Any, wait_s: float) -> None:
+    """The processes of Ray actors `dead_actors` (ids) that made engine TMPDIRs in `base` and still run: given
+    `wait_s` to end, then killed. Ray reports an actor dead (and `ray.kill` returns) while its process may still be
+    tearing down: its TMPDIR would look owned, its engine's files held."""
+    dead_actors = set(dead_actors)
+    owners = []
     try:
-        return _running(psutil.Process(pid))
-    except psutil.NoSuchProcess:
-        return False
+        names = [n for n in os.listdir(base) if n.startswith(TMPDIR_PREFIX)]
+    except OSError:
+        names = []
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            owner = _owner(path)
+        except (OSError, ValueError):
+            continue
+        if owner is not None and owner[2] in dead_actors:
+            p = _owner_process(path)
+            if p is not None:
+                owners.append(p)
+    if owners:
+        end_processes(owners, wait_s)
 
 
 def _made(tmpdir: str, st: os.stat_result) -> float:
@@ -280,7 +328,7 @@ def _processes_in(tmpdirs: set[str]) -> dict[str, list[psutil.Process]]:
 
 
 def sweep_dead_engines(base: str | None = None, wait_s: float = LEFTOVER_WAIT_S,
-                       shm_prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
+                       shm_prefixes: tuple[str, ...] = SHM_PREFIXES, dead_actors: Any = ()) -> list[str]:
     """On this node, remove what dead engines left, whatever point of its life each died at (loading, warming up,
     serving, shutting down):
     - each engine TMPDIR (TMPDIR_PREFIX, this user's, in `base`: the temporary directory) whose actor is gone (the
@@ -291,8 +339,11 @@ def sweep_dead_engines(base: str | None = None, wait_s: float = LEFTOVER_WAIT_S,
       its processes from the moment they exist. Files are listed before their holders are looked for, and none
       younger than SWEEP_MIN_AGE_S is touched.
     Returns the paths removed. Safe beside live engines: their actors live and their processes hold their files.
-    `shm_prefixes`: the shared-memory names considered (tests narrow them to their own)."""
+    `shm_prefixes`: the shared-memory names considered (tests narrow them to their own). `dead_actors`: ids of engine
+    actors Ray has reported dead or been told to kill - those whose process is still ending get `wait_s` first."""
     base = base or tempfile.gettempdir()
+    if dead_actors:
+        _end_dead_owners(base, dead_actors, wait_s)
     uid, now = os.getuid(), time.time()
     dead = []
     try:
@@ -326,9 +377,25 @@ def sweep_dead_engines(base: str | None = None, wait_s: float = LEFTOVER_WAIT_S,
 
 
 def _remove_unheld_shm(prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
-    """vLLM's shared-memory files (SHM_PREFIXES) of this user, older than SWEEP_MIN_AGE_S, that no process maps or
-    holds open: unlinked. Listed first, their holders looked for after, so a file made meanwhile is not considered."""
-    uid, now = os.getuid(), time.time()
+    """vLLM's shared-memory files (SHM_PREFIXES) of this user that no process maps or holds open, and that have not
+    changed for SWEEP_MIN_AGE_S: unlinked. Listed first, their holders looked for after, so a file made meanwhile is
+    not considered. A file changed less than SWEEP_MIN_AGE_S ago (its ctime: made, or a page of it written for the
+    first time - a message queue's does that up to its last step) and unheld is looked at again once it is that old:
+    one in the making is mapped by then, one its dead engine wrote last is still unheld and unchanged."""
+    files = _unheld_shm(prefixes)
+    young = {inode: (path, ctime) for inode, (path, ctime) in files.items() if time.time() - ctime < SWEEP_MIN_AGE_S}
+    removed = _unlink({inode: path for inode, (path, _) in files.items() if inode not in young})
+    if young:
+        time.sleep(max(0.0, SWEEP_MIN_AGE_S - (time.time() - max(ctime for _, ctime in young.values()))))
+        again = _unheld_shm(prefixes)
+        removed += _unlink({inode: path for inode, (path, ctime) in young.items() if again.get(inode) == (path, ctime)})
+    return removed
+
+
+def _unheld_shm(prefixes: tuple[str, ...]) -> dict[int, tuple[str, float]]:
+    """vLLM's shared-memory files (`prefixes`) of this user that no process maps or holds open: {inode: (path,
+    ctime)}."""
+    uid = os.getuid()
     files = {}
     for inode, path in engine_shm_files().items():
         if not os.path.basename(path).startswith(prefixes):
@@ -337,15 +404,17 @@ def _remove_unheld_shm(prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
             st = os.stat(path)
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_ctime >= SWEEP_MIN_AGE_S:
-            files[inode] = path
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            files[inode] = (path, st.st_ctime)
     if not files:
-        return []
+        return {}
     held = shm_inodes(psutil.pids())
+    return {inode: f for inode, f in files.items() if inode not in held}
+
+
+def _unlink(files: dict[int, str]) -> list[str]:
     removed = []
-    for inode, path in files.items():
-        if inode in held:
-            continue
+    for path in files.values():
         try:
             os.unlink(path)
             removed.append(path)
@@ -369,33 +438,35 @@ def still_running(procs: Any) -> list[psutil.Process]:
 
 
 def sweep_after(dying: Any, wait_s: float = LEFTOVER_WAIT_S, base: str | None = None,
-                shm_prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
+                shm_prefixes: tuple[str, ...] = SHM_PREFIXES, dead_actors: Any = ()) -> list[str]:
     """`sweep_dead_engines` after an engine Ray reports dead: its processes `dying` ((pid, create time),
     `Leftovers.procs`, the actor's first) are given `wait_s` to exit, then killed, before the sweep. Ray confirms an
     actor's death while its process may still be tearing down, and the engine's vLLM processes exit a moment after
     it, still mapping its shared memory: a sweep then would find the owner alive and the files held, and leave them
     for good."""
     end_processes(still_running(dying), wait_s)
-    return sweep_dead_engines(base, wait_s, shm_prefixes)
+    return sweep_dead_engines(base, wait_s, shm_prefixes, dead_actors)
 
 
 @ray.remote(num_cpus=0)
-def sweep_node(wait_s: float = LEFTOVER_WAIT_S, dying: tuple[tuple[int, float], ...] = ()) -> list[str]:
+def sweep_node(wait_s: float = LEFTOVER_WAIT_S, dying: tuple[tuple[int, float], ...] = (),
+               dead_actors: tuple[str, ...] = ()) -> list[str]:
     """`sweep_dead_engines` as a Ray task: run it on the node to sweep (NodeAffinitySchedulingStrategy); with
-    `dying`, `sweep_after` those processes."""
-    return sweep_after(dying, wait_s)
+    `dying`, `sweep_after` those processes; `dead_actors`: engine actors' ids whose processes may still be ending."""
+    return sweep_after(dying, wait_s, dead_actors=dead_actors)
 
 
 def sweep_nodes(node_ids: list[str] | None = None, wait_s: float = LEFTOVER_WAIT_S,
-                timeout_s: float = LEFTOVER_WAIT_S + 60) -> list[str]:
+                timeout_s: float = 2 * LEFTOVER_WAIT_S + 60, dead_actors: tuple[str, ...] = ()) -> list[str]:
     """`sweep_dead_engines` on each node of `node_ids` (every alive node when None), at once; the paths removed. A
-    node that cannot be reached is skipped (reported in the log)."""
+    node that cannot be reached is skipped (reported in the log). `dead_actors`: ids of engine actors just killed or
+    found dead (their processes may still be ending: `sweep_dead_engines`)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     try:
         if node_ids is None:
             node_ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-        refs = [sweep_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(wait_s)
+        refs = [sweep_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(wait_s, dead_actors=tuple(dead_actors))
                 for node in dict.fromkeys(node_ids)]
     except Exception as e:  # noqa: BLE001 - Ray itself is going: nothing to sweep with
         log.warning("could not sweep for dead engines' files: %s", e)

@@ -136,20 +136,64 @@ def test_a_later_process_on_a_dead_engines_pid_is_not_touched():
         sleeper.wait()
 
 
-def test_a_young_unheld_segment_is_left_and_an_old_one_removed(tmp_path, monkeypatch):
-    """Files are judged only past SWEEP_MIN_AGE_S: one just made may be between its creation and its mapping."""
-    monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 1.0)
-    path = f"/dev/shm/psm_hpdtest_{uuid.uuid4().hex[:8]}_age"
-    Path(path).write_bytes(b"x")
+def test_a_young_unheld_segment_is_judged_once_it_is_old_enough(tmp_path, monkeypatch):
+    """Files are judged only once they have not changed for SWEEP_MIN_AGE_S: one just made may be between its creation
+    and its mapping (here a process maps it meanwhile: it stays), and a dead engine's message queue may have been
+    written for the last time a moment ago (nobody maps it: the same sweep removes it, once it is that old)."""
+    monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 1.5)
+    tag = uuid.uuid4().hex[:8]
+    made, orphan = (f"/dev/shm/psm_hpdtest_{tag}_{kind}" for kind in ("made", "orphan"))
+    Path(orphan).write_bytes(b"x")
+    Path(made).write_bytes(b"x")
+    mapper = None
     try:
-        assert path not in procs.sweep_dead_engines(str(tmp_path), wait_s=0, shm_prefixes=OURS)
-        assert os.path.exists(path)
-        time.sleep(1.1)
-        assert path in procs.sweep_dead_engines(str(tmp_path), wait_s=0, shm_prefixes=OURS)
-        assert not os.path.exists(path)
+        mapper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)\n" + HOLDER.format(shm=made)],
+                                  stdout=subprocess.PIPE, text=True)
+        t0 = time.monotonic()
+        removed = procs.sweep_dead_engines(str(tmp_path), wait_s=0, shm_prefixes=OURS)
+        took = time.monotonic() - t0
+        assert mapper.stdout.readline().strip() == "ok"
+        assert orphan in removed and not os.path.exists(orphan), removed
+        assert made not in removed and os.path.exists(made)  # mapped while the sweep waited for it to age
+        assert 1.0 <= took < 5, took
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        if mapper is not None:
+            mapper.kill()
+            mapper.wait()
+        for path in (made, orphan):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_an_actor_killed_a_moment_ago_is_waited_for(tmp_path, monkeypatch):
+    """`ray.kill` returns, and Ray reports an actor dead, while its process may still be ending: its TMPDIR would look
+    owned and its segments held. A sweep told the actor is dead (its Ray id, which the owner file names) waits for the
+    process (killed after `wait_s`), then removes what it left; untold, it leaves a live owner's files alone."""
+    monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 0.5)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    seg = f"/dev/shm/psm_hpdtest_{uuid.uuid4().hex[:8]}_ending"
+    engine, (tmpdir, core_pid) = _start(ENGINE.format(repo=str(REPO), shm=seg))
+    core = psutil.Process(int(core_pid))
+    actor_id = uuid.uuid4().hex
+    try:
+        owner = Path(tmpdir, procs.OWNER_FILE)
+        pid, ticks, _ = owner.read_text().split()
+        owner.write_text(f"{pid} {ticks} {actor_id}\n")
+        time.sleep(0.6)
+        assert procs.sweep_dead_engines(str(tmp_path), wait_s=1, shm_prefixes=OURS, dead_actors=("other",)) == []
+        removed = procs.sweep_dead_engines(str(tmp_path), wait_s=1, shm_prefixes=OURS, dead_actors=(actor_id,))
+        assert tmpdir in removed and seg in removed, removed
+        assert engine.wait(timeout=10) is not None
+        assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
+    finally:
+        engine.kill()
+        engine.wait()
+        try:
+            core.kill()
+        except psutil.NoSuchProcess:
+            pass
+        if os.path.exists(seg):
+            os.unlink(seg)
 
 
 @pytest.mark.parametrize("name", ["other_prefix_hpdtest", "psm_hpdtest_dir"])
