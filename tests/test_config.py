@@ -27,7 +27,7 @@ def test_default_deployment_is_the_embedded_one():
     # of a block only while prompts queue at the prefill engine
     assert (cfg.prefill.cores_per_engine, cfg.decode.cores_per_engine) == (1, 1)
     assert cfg.transfer.local_prefill_queue is None and cfg.transfer.local_prefill_speed == 0.5
-    assert cfg.decode.max_num_batched_tokens == 256 and cfg.prefill.max_num_batched_tokens is None
+    assert cfg.decode.max_num_batched_tokens is None and cfg.prefill.max_num_batched_tokens is None  # the model's
     assert cfg.prefill.autoscaling and cfg.decode.autoscaling  # each pool 1..2 engines (as far as free cores allow)
     showcase = load_deploy(ROOT / "configs" / "deploy-tp-showcase.yaml")  # the differing-TP layout, sharing cores
     assert (showcase.prefill.tp, showcase.decode.tp) == (1, 2)
@@ -246,29 +246,38 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
 def test_a_decode_budget_under_two_blocks_is_refused_where_the_decode_engine_prefills(tmp_path):
     """A hybrid prompt's chunk that stops before its end must end on a block boundary: with a decode step budget under
     two blocks, a prompt the decode engine prefills itself would advance only while nothing decodes (measured: 0.04-
-    0.12 of requests within the SLOs at a budget of 128). Refused naming the field, where a rule of conditional
-    disaggregation is on; deploy.yaml's 256 on gdn (128-token blocks) passes, the same on gdn-asym (384) does not."""
+    0.12 of requests within the SLOs at a budget of 128). Where a rule of conditional disaggregation is on, the budget
+    defaults to two blocks of the model (deploy.yaml leaves it out: 256 on gdn's 128-token blocks, 768 on gdn-asym's
+    384), and an explicit value under that is refused naming the field; with no rule on, vLLM's budget stands."""
     from cluster.cli.launch import _device_options
     from cluster.cli.tiny_model import model_config
+
+    def budget(cfg: DeployConfig, role: str = "decode") -> int | None:
+        return _device_options(cfg, role, tmp_path)["engine_kwargs"].get("max_num_batched_tokens")
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     shipped = load_deploy(ROOT / "deploy.yaml").model_dump(exclude_unset=True)
     shipped["model"] = {"path": str(tmp_path)}
     cfg = DeployConfig.model_validate(shipped)
-    assert _device_options(cfg, "decode", tmp_path)["engine_kwargs"]["max_num_batched_tokens"] == 256
+    assert budget(cfg) == 256 and budget(cfg, "prefill") is None
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn-asym").to_dict()))
+    assert budget(cfg) == 768  # the default follows the model's block
+    explicit = {**shipped, "decode": {**shipped["decode"], "max_num_batched_tokens": 256}}
     with pytest.raises(DeployError, match=r"decode.max_num_batched_tokens: 256 is under two blocks of this model "
                                           r"\(384 tokens each\).*set at least 768"):
-        _device_options(cfg, "decode", tmp_path)
-    _device_options(cfg, "prefill", tmp_path)  # the prefill pool's budget is its own business
+        budget(DeployConfig.model_validate(explicit))
+    budget(DeployConfig.model_validate(explicit), "prefill")  # the prefill pool's budget is its own business
     for rules in ({"local_prefill_speed": None}, {"local_prefill_speed": None, "local_prefill_queue": 1},
                   {"local_prefill_speed": None, "local_prefill_when_idle": True}):
-        data = {**shipped, "transfer": {**shipped["transfer"], **rules}}
-        if rules == {"local_prefill_speed": None}:  # no rule on: any budget is the user's call
-            _device_options(DeployConfig.model_validate(data), "decode", tmp_path)
+        data = {**explicit, "transfer": {**explicit["transfer"], **rules}}
+        defaulted = {**data, "decode": shipped["decode"]}
+        if rules == {"local_prefill_speed": None}:  # no rule on: any budget is the user's call, unset is vLLM's
+            assert budget(DeployConfig.model_validate(data)) == 256
+            assert budget(DeployConfig.model_validate(defaulted)) is None
         else:
             with pytest.raises(DeployError, match="decode.max_num_batched_tokens"):
-                _device_options(DeployConfig.model_validate(data), "decode", tmp_path)
+                budget(DeployConfig.model_validate(data))
+            assert budget(DeployConfig.model_validate(defaulted)) == 768
 
 
 def test_cpu_pools_get_one_block_size(tmp_path):

@@ -346,9 +346,17 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
     if block_size is not None:
         engine_kwargs["block_size"] = block_size
         check_local_prefill_budget(cfg, role, block_size)
+        if role == "decode" and pool.max_num_batched_tokens is None and prefills_locally(cfg):
+            engine_kwargs["max_num_batched_tokens"] = 2 * block_size  # the least that works, in chunks of a block
     return {"extra_env": {**shared_env, **env, **pool.env}, "engine_kwargs": engine_kwargs,
             "own_cores": pool.cores_per_engine,
             "reserve_cores": pool.reserves_cores(role), "borrow_cores": pool.borrows_cores(role), **placement}
+
+
+def prefills_locally(cfg: DeployConfig) -> bool:
+    """Whether the decode pool prefills some prompts itself (a rule of `transfer.local_prefill_*` is on)."""
+    t = cfg.transfer
+    return t.local_prefill_speed is not None or t.local_prefill_queue is not None or t.local_prefill_when_idle
 
 
 def check_local_prefill_budget(cfg: DeployConfig, role: str, block_size: int) -> None:
@@ -356,14 +364,12 @@ def check_local_prefill_budget(cfg: DeployConfig, role: str, block_size: int) ->
     itself (`transfer.local_prefill_speed`, `local_prefill_queue`, `local_prefill_when_idle`): a hybrid prompt's chunk
     that stops before its end must end on a block boundary (vLLM's "align" mode), so with any request decoding no
     chunk would fit, and such prompts would wait for an empty batch."""
-    t = cfg.transfer
     budget = cfg.decode.max_num_batched_tokens
-    local = t.local_prefill_speed is not None or t.local_prefill_queue is not None or t.local_prefill_when_idle
-    if role == "decode" and local and budget is not None and budget < 2 * block_size:
+    if role == "decode" and prefills_locally(cfg) and budget is not None and budget < 2 * block_size:
         raise DeployError(f"decode.max_num_batched_tokens: {budget} is under two blocks of this model ({block_size} "
                           f"tokens each): a prompt the decode engine prefills itself (transfer.local_prefill_*) could "
                           f"advance only in steps with nothing decoding; set at least {2 * block_size}, or leave it "
-                          "out for vLLM's budget")
+                          "out (two blocks of the model)")
 
 
 def check_placement(cfg: DeployConfig, nodes: list[dict[str, Any]]) -> None:

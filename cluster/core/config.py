@@ -131,11 +131,13 @@ class PoolConfig(_Strict):
         "step runs on the engine's own cores only. Default: true for the prefill pool where it can be (tp 1, "
         "share_cores false), false for the decode pool")
     max_num_batched_tokens: int | None = Field(
-        None, ge=16, le=1 << 20, description="vLLM's token budget of one engine step (default: vLLM's). On a decode "
-        "pool that prefills some requests itself (transfer.local_prefill_speed, local_prefill_queue), a small budget "
-        "cuts such a prompt into chunks that share steps with the running decodes, instead of one long step that "
-        "stalls them all; hybrid models: at least two blocks (the launcher refuses less), since a chunk that stops "
-        "before the prompt's end must end on a block boundary")
+        None, ge=16, le=1 << 20, description="vLLM's token budget of one engine step. On a decode pool that prefills "
+        "some requests itself (transfer.local_prefill_speed, local_prefill_queue, local_prefill_when_idle), a small "
+        "budget cuts such a prompt into chunks that share steps with the running decodes, instead of one long step "
+        "that stalls them all; hybrid models: at least two blocks (the launcher refuses less), since a chunk that "
+        "stops before the prompt's end must end on a block boundary. Default: on such a decode pool on CPU hosts, two "
+        "blocks of the model (the block follows the model: 128 tokens for the tiny gdn, 640 at Qwen3.5-0.8B's "
+        "dimensions); elsewhere vLLM's")
     scaling: ScalingConfig = ScalingConfig()
     placement: PlacementConfig = PlacementConfig()
     env: dict[str, str] = Field(

@@ -382,7 +382,8 @@ def speed_arg(value: str) -> str:
 def resolve_local_prefill(value: str, deploy_file: Path | None = None) -> tuple[float | None, int | None]:
     """`--local-prefill-speed` as the cluster's transfer.local_prefill_speed and its decode pool's
     max_num_batched_tokens: "off" neither (every request disaggregated, vLLM's step budget); "deploy" both as the
-    repository's deploy.yaml says; a number that speed with deploy.yaml's decode budget."""
+    repository's deploy.yaml says; a number that speed with deploy.yaml's decode budget (None where deploy.yaml leaves
+    it out: the launcher's default, two blocks of the model)."""
     if speed_arg(value) == "off":
         return None, None
     from cluster.core.config import load_deploy
