@@ -62,7 +62,9 @@ def test_named_files_exist(doc):
 
 HELP = {  # where each `python -m cluster` command's own options are parsed
     "bench": "from cluster.cli.bench import main; main({args})",
-    "build-model": "from cluster.cli.tiny_model import main; main({args})",
+    # a tiny model (--kind) or a real architecture (--config): two parsers, both listed
+    "build-model": "from cluster.cli import tiny_model, real_model\nfor m in (tiny_model, real_model):\n"
+                   "    try:\n        m.main({args})\n    except SystemExit:\n        pass",
 }
 
 

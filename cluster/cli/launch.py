@@ -82,9 +82,9 @@ def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say, *, p
 
 def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     from actors.coordinator_client import CoordinatorClient
-    from cluster.cli.tiny_model import ensure_model
+    from cluster.cli.real_model import builtin_model
 
-    model_dir = Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin)
+    model_dir = Path(cfg.model.path).resolve() if cfg.model.path else builtin_model(cfg.model.builtin)
     progress(f"model {cfg.model.name}: {model_dir}")
     caching = {role: prefix_caching(cfg, role, model_dir) for role in ("prefill", "decode")}  # refused before a start
     progress("prefix caching: " + ", ".join(f"{role} {'on' if on else 'off'}" for role, on in caching.items()))

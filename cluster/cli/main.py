@@ -86,8 +86,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _build_model(rest: list[str]) -> int:
-    from cluster.cli.tiny_model import main as build_main
-
+    """`build-model --kind ...`: a tiny model (`cluster.cli.tiny_model`); `build-model --config ...`: a real
+    architecture with random weights (`cluster.cli.real_model`)."""
+    if any(arg == "--config" or arg.startswith("--config=") for arg in rest):
+        from cluster.cli.real_model import main as build_main
+    else:
+        from cluster.cli.tiny_model import main as build_main
     return build_main(rest)
 
 
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
-    b = sub.add_parser("build-model", help="build a tiny random-weight hybrid model with a locally trained tokenizer")
+    b = sub.add_parser("build-model", help="build a tiny hybrid model (--kind), or a real architecture with random "
+                       "weights from its config (--config configs/models/NAME.json [--layers N] [--vocab N])")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=lambda a: _build_model(a.rest))
 

@@ -21,7 +21,11 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Either a tiny locally built model (`builtin`) or a model directory (`path`)."""
 
-    builtin: Literal["gdn", "gdn-asym", "mamba2", "attn", "gdn-wide"] | None = "gdn"
+    builtin: Literal["gdn", "gdn-asym", "mamba2", "attn", "gdn-wide", "qwen3.5-0.8b", "nemotron-h-8l"] | None = Field(
+        "gdn", description="a model built locally on first use, under models/: a tiny hybrid (gdn, gdn-asym, mamba2, "
+        "attn, gdn-wide), or a real architecture at its published dimensions with random weights and a local "
+        "1,024-token vocabulary - qwen3.5-0.8b (Qwen3.5-0.8B, all 24 layers, 0.5B parameters), nemotron-h-8l (the "
+        "first 8 layers of Nemotron-H-8B, 1B parameters); `python -m cluster build-model --config` builds others")
     path: str | None = None
     name: str = Field("tiny-hybrid", description="the model name clients send in requests")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"

@@ -122,6 +122,11 @@ def _layers_from_types(types: list[Any], field: str, state_names: set[str], attn
     return state, attn
 
 
+# Nemotron-H's layer kinds as transformers 5 writes them (`layers_block_type`) -> hybrid_override_pattern's symbols
+NEMOTRON_BLOCKS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-",
+                   "moe": "E"}
+
+
 def model_shape(cfg: dict[str, Any]) -> ModelShape:
     """The TP-independent per-request cache shape of a model, from its HF config dict."""
     text, prefix = _text_config(cfg)
@@ -142,6 +147,15 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape:
         return ModelShape(arch, n, tuple(st), tuple(at), _gdn_state(r), _attention(r) if at else None)
 
     if model_type == "nemotron_h" or "hybrid_override_pattern" in text:
+        if "hybrid_override_pattern" not in text and isinstance(text.get("layers_block_type"), list):
+            # transformers 5 writes the pattern as a list of layer kinds
+            names = text["layers_block_type"]
+            unknown = sorted({str(n) for n in names} - set(NEMOTRON_BLOCKS))
+            if unknown:
+                raise ConfigError(prefix + "layers_block_type", f"unknown layer kinds {unknown}; expected one of "
+                                                                f"{sorted(NEMOTRON_BLOCKS)}")
+            text = {**text, "hybrid_override_pattern": "".join(NEMOTRON_BLOCKS[n] for n in names)}
+            r = _Reader(text, prefix)
         pattern = r.get("hybrid_override_pattern", kind=str)
         state_idx = [i for i, c in enumerate(pattern) if c == "M"]
         attn_idx = [i for i, c in enumerate(pattern) if c == "*"]

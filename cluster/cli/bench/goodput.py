@@ -507,9 +507,9 @@ def parse_targets(text: str, known: tuple[str, ...]) -> list[str]:
 
 def deploy_model_dir(cfg: Any) -> str:
     """The deploy file's model directory (a built-in model is built on first use)."""
-    from cluster.cli.tiny_model import ensure_model
+    from cluster.cli.real_model import builtin_model
 
-    return str(Path(cfg.model.path).resolve() if cfg.model.path else ensure_model(cfg.model.builtin))
+    return str(Path(cfg.model.path).resolve() if cfg.model.path else builtin_model(cfg.model.builtin))
 
 
 def main(args: Any) -> int:
