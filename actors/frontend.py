@@ -85,6 +85,7 @@ class FrontendSettings:
     stall_timeout_s: float = 5.0
     failover_wait_s: float = 90.0
     replicas: int = 1  # front ends of this deployment on the port (they share it)
+    chat_flags: tuple[str, ...] = ()  # vLLM's chat options as `vllm serve` takes them (`deploy.yaml` chat)
 
 
 def vllm_args(settings: FrontendSettings):
@@ -95,7 +96,8 @@ def vllm_args(settings: FrontendSettings):
 
     argv = ["--model", settings.model_dir, "--served-model-name", settings.model_name,
             "--max-model-len", str(settings.max_model_len), "--dtype", settings.dtype,
-            "--host", settings.host, "--port", str(settings.port), "--disable-log-stats", "--enforce-eager"]
+            "--host", settings.host, "--port", str(settings.port), "--disable-log-stats", "--enforce-eager",
+            *settings.chat_flags]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     validate_parsed_serve_args(args)
     return args

@@ -490,3 +490,42 @@ def test_the_engines_settings_reach_every_engine(tmp_path, monkeypatch):
     monkeypatch.delenv("PD_COMPILE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_compile_cache_dir() == tmp_path / "xdg" / "hybrid-pd" / "compile"
+
+
+def test_chat_options_reach_vllms_front_end_arguments_and_bad_ones_are_refused(tmp_path):
+    """`chat` holds `vllm serve`'s chat options: they reach the front end's vLLM arguments as vLLM's own parser reads
+    them (a tool-call parser turns auto tool choice on, without which vLLM 0.32 refuses every tool_choice); a
+    parser the installed vLLM does not have, or a chat template that is neither a file nor a template, is refused
+    naming the field before anything starts; auto tool choice without a parser at load."""
+    from actors.frontend import FrontendSettings, vllm_args
+    from cluster.cli.launch import _device_options, check_chat
+
+    base = dict(model_name="m", model_dir="/m", max_model_len=64, coordinator_name="c", namespace="n")
+    plain = vllm_args(FrontendSettings(**base))
+    assert plain.tool_call_parser is None and not plain.enable_auto_tool_choice and not plain.reasoning_parser
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg = load_deploy(write(tmp_path, {"chat": {
+        "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "tool_strict_level": "parameter",
+        "chat_template": str(template), "default_chat_template_kwargs": {"enable_thinking": False}}}))
+    check_chat(cfg)
+    args = vllm_args(FrontendSettings(**base, chat_flags=tuple(cfg.chat.vllm_flags())))
+    assert (args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser, args.tool_strict_level,
+            args.chat_template, args.default_chat_template_kwargs) == \
+        ("hermes", True, "qwen3", "parameter", str(template), {"enable_thinking": False})
+    from cluster.cli.tiny_model import model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
+    for role in ("prefill", "decode"):  # the engines' structured output waits for the end of the thinking
+        assert _device_options(cfg, role, tmp_path)["engine_kwargs"]["reasoning_parser"] == "qwen3"
+    assert load_deploy(write(tmp_path, {"chat": {"tool_call_parser": "hermes", "enable_auto_tool_choice": False}})) \
+        .chat.vllm_flags() == ["--tool-call-parser", "hermes"]
+    for chat, field in [({"tool_call_parser": "no-such-parser"}, "chat.tool_call_parser"),
+                        ({"reasoning_parser": "no-such-parser"}, "chat.reasoning_parser"),
+                        ({"chat_template": str(tmp_path / "absent.jinja")}, "chat.chat_template")]:
+        with pytest.raises(DeployError, match=field):
+            check_chat(load_deploy(write(tmp_path, {"chat": chat})))
+    with pytest.raises(DeployError, match="chat.*enable_auto_tool_choice needs chat.tool_call_parser"):
+        load_deploy(write(tmp_path, {"chat": {"enable_auto_tool_choice": True}}))
+    with pytest.raises(DeployError, match="chat.tool_strict_level"):
+        load_deploy(write(tmp_path, {"chat": {"tool_strict_level": "always"}}))

@@ -34,6 +34,7 @@ def served(ray_local, gdn_model):
         "coordinator": {"name": "coordinator-http", "namespace": "pd-test-http"},
         "http": {"port": free_port(), "api_key": KEY, "max_body_bytes": 65536},
         "transfer": {"verify": "all"},  # every request of this API's tests has its transferred bytes checked
+        "chat": {"tool_call_parser": "hermes"},  # vLLM's front-end options pass through (test_tool_calls)
     })
     t0 = time.monotonic()
     cluster = serve(cfg, progress=print)
@@ -268,6 +269,51 @@ def test_structured_output_and_continuous_usage(served, client):
                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage]
     assert counts == sorted(counts) and counts[-1] == 4 and len(counts) >= 2
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome", "oslo"]},
+                                                    "days": {"type": "integer", "enum": [1, 2, 3]}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "strict": True, "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["utc"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_tool_calls_come_back_parsed(served, client, tokenizer, choice):
+    """`chat.tool_call_parser` reaches vLLM's server: a named function and tool_choice "required" come back as parsed
+    tool calls, streamed or not, and with the tools' `strict: true` (OpenAI's rule: vLLM then decodes the arguments
+    under each tool's schema, so even the tiny model's follow it) their arguments follow the schema. Without the
+    option vLLM answers 400 ("requires --tool-call-parser"): test_config checks that it reaches vLLM's arguments."""
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    messages = [{"role": "user", "content": "the weather in rome for two days?"}]
+    # the tiny model's favourite tokens inside a JSON object are whitespace, which JSON allows without end: a bias
+    # against them (not a ban: the call's envelope still has its newlines) lets it write the arguments
+    blank = {str(i): -100 for i in range(len(tokenizer)) if tokenizer.decode([i]) and not tokenizer.decode([i]).strip()}
+    kw = dict(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], tool_choice=tool_choice, max_tokens=96,
+              temperature=0, logit_bias=blank, parallel_tool_calls=False)  # one call: the grammar ends it
+    got = client.chat.completions.create(**kw)
+    calls = got.choices[0].message.tool_calls
+    assert calls, got.choices[0]
+    names = {c.function.name for c in calls}
+    assert len(calls) == 1 and (names == {"get_weather"} if choice == "named" else names <= {"get_weather", "get_time"})
+    for call in calls:
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert args["city"] in ("paris", "rome", "oslo") and args["days"] in (1, 2, 3), args
+        else:
+            assert args == {"zone": "utc"}
+    stream = client.chat.completions.create(**kw, stream=True)
+    streamed: dict[int, list[str]] = {}  # tool call index -> [name, arguments]
+    for chunk in stream:
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = streamed.setdefault(d.index, ["", ""])
+            entry[0] += (d.function.name or "") if d.function else ""
+            entry[1] += (d.function.arguments or "") if d.function else ""
+    assert [(name, json.loads(args)) for name, args in streamed.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in calls]  # greedy: the same calls
 
 
 def test_requests_sharing_a_client_request_id_stay_apart(served, tokenizer):

@@ -84,6 +84,7 @@ def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cl
     from actors.coordinator_client import CoordinatorClient
     from cluster.cli.real_model import builtin_model
 
+    check_chat(cfg)  # refused before anything starts
     model_dir = Path(cfg.model.path).resolve() if cfg.model.path else builtin_model(cfg.model.builtin)
     progress(f"model {cfg.model.name}: {model_dir}")
     caching = {role: prefix_caching(cfg, role, model_dir) for role in ("prefill", "decode")}  # refused before a start
@@ -329,6 +330,8 @@ def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict
     pool = getattr(cfg, role)
     shared_env = cfg.engines.env()  # compile caches, the busy limit, the warm-up (`engines`)
     engine_kwargs: dict[str, Any] = {"enable_prefix_caching": prefix_caching(cfg, role, model_dir)}
+    if cfg.chat.reasoning_parser:  # structured output starts after the thinking, as under `vllm serve`
+        engine_kwargs["reasoning_parser"] = cfg.chat.reasoning_parser
     if pool.max_num_batched_tokens is not None:
         engine_kwargs["max_num_batched_tokens"] = pool.max_num_batched_tokens
     placement = engine_placement(pool)
@@ -357,6 +360,24 @@ def prefills_locally(cfg: DeployConfig) -> bool:
     """Whether the decode pool prefills some prompts itself (a rule of `transfer.local_prefill_*` is on)."""
     t = cfg.transfer
     return t.local_prefill_speed is not None or t.local_prefill_queue is not None or t.local_prefill_when_idle
+
+
+def check_chat(cfg: DeployConfig) -> None:
+    """Refuse, naming the field, a `chat` option the installed vLLM would refuse at the front end's start or at a
+    request: a parser it does not have, a chat template file that is not there."""
+    chat = cfg.chat
+    if chat.tool_call_parser or chat.reasoning_parser:
+        from vllm.reasoning.abs_reasoning_parsers import ReasoningParserManager
+        from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+
+        for field, name, manager in (("tool_call_parser", chat.tool_call_parser, ToolParserManager),
+                                     ("reasoning_parser", chat.reasoning_parser, ReasoningParserManager)):
+            known = manager.list_registered()
+            if name and name not in known:
+                raise DeployError(f"chat.{field}: {name!r} is not one of vLLM's: {', '.join(known)}")
+    template = chat.chat_template
+    if template and not any(c in template for c in "{}\n") and not Path(template).is_file():
+        raise DeployError(f"chat.chat_template: {template!r} is neither a file nor a Jinja template")
 
 
 def check_local_prefill_budget(cfg: DeployConfig, role: str, block_size: int) -> None:
@@ -506,7 +527,7 @@ def frontend_settings(cluster: Cluster):
         stall_timeout_s=cfg.routing.stall_timeout_s,
         failover_wait_s=cfg.routing.failover_wait_s,
         max_requests_in_flight=cfg.http.max_requests_in_flight, max_queued_requests=cfg.http.max_queued_requests,
-        max_n=cfg.http.max_n, replicas=cfg.http.replicas,
+        max_n=cfg.http.max_n, replicas=cfg.http.replicas, chat_flags=tuple(cfg.chat.vllm_flags()),
     )
 
 

@@ -3,10 +3,11 @@ and the HTTP endpoint. A bad file is rejected with each field's path and the rea
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -402,6 +403,64 @@ class RoutingConfig(_Strict):
         "registered anew. A request that has sent nothing is answered 503 at once instead (its client can retry it)")
 
 
+class ChatConfig(_Strict):
+    """vLLM's OpenAI front-end options for chat completions, as `vllm serve` takes them: tool calling, reasoning
+    output, the chat template. Parser names are checked against the installed vLLM's when the cluster starts."""
+
+    tool_call_parser: str | None = Field(
+        None, min_length=1, description="vLLM's tool-call parser for the model's output format (`vllm serve "
+        "--tool-call-parser`: hermes, qwen3_coder, qwen3_xml, llama3_json, ...). Needed for any tool_choice but none: "
+        "\"auto\" (the model decides; the parser finds the calls in its text), a named function and \"required\" "
+        "(decoded under a JSON schema of the tools, so any model serves them)")
+    enable_auto_tool_choice: bool | None = Field(
+        None, description="`--enable-auto-tool-choice`. Default: on when tool_call_parser is set. vLLM 0.32 uses the "
+        "parser only with it on - off, every tool_choice but none is refused (400), a named function included")
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        "auto", description="how far tool calls are held to the tools (`--tool-strict-level`): auto - a request's "
+        "tool_choice decides the call's envelope, and a tool's own `strict: true` its arguments' schema (OpenAI's "
+        "rule); function - every request with tools gets the envelope; parameter - every tool's arguments too")
+    reasoning_parser: str | None = Field(
+        None, min_length=1, description="vLLM's reasoning parser (`--reasoning-parser`: qwen3, deepseek_r1, ...): the "
+        "model's thinking is returned apart, as `reasoning_content`; the engines get it too, so that structured output "
+        "starts after the thinking, as in vLLM's own server")
+    chat_template: str | None = Field(
+        None, min_length=1, description="a Jinja chat template, as a file path or the template itself "
+        "(`--chat-template`; default: the tokenizer's)")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="keyword arguments every chat request's template gets unless it sets them, e.g. "
+        "{enable_thinking: false} (`--default-chat-template-kwargs`)")
+    exclude_tools_when_tool_choice_none: bool = Field(
+        False, description="leave the tools out of the prompt when tool_choice is \"none\"")
+
+    @model_validator(mode="after")
+    def _auto_needs_a_parser(self) -> "ChatConfig":
+        if self.enable_auto_tool_choice is None:
+            self.enable_auto_tool_choice = self.tool_call_parser is not None
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs chat.tool_call_parser: the parser that finds tool calls "
+                             "in the model's text")
+        return self
+
+    def vllm_flags(self) -> list[str]:
+        """These options as `vllm serve` arguments."""
+        flags: list[str] = []
+        if self.tool_call_parser:
+            flags += ["--tool-call-parser", self.tool_call_parser]
+        if self.enable_auto_tool_choice:
+            flags.append("--enable-auto-tool-choice")
+        if self.tool_strict_level != "auto":
+            flags += ["--tool-strict-level", self.tool_strict_level]
+        if self.reasoning_parser:
+            flags += ["--reasoning-parser", self.reasoning_parser]
+        if self.chat_template:
+            flags += ["--chat-template", self.chat_template]
+        if self.default_chat_template_kwargs:
+            flags += ["--default-chat-template-kwargs", json.dumps(self.default_chat_template_kwargs)]
+        if self.exclude_tools_when_tool_choice_none:
+            flags.append("--exclude-tools-when-tool-choice-none")
+        return flags
+
+
 class DeployConfig(_Strict):
     model: ModelConfig = ModelConfig()
     prefill: PoolConfig = PoolConfig(tp=1)
@@ -411,6 +470,7 @@ class DeployConfig(_Strict):
     http: HttpConfig = HttpConfig()
     transfer: TransferConfig = TransferConfig()
     routing: RoutingConfig = RoutingConfig()
+    chat: ChatConfig = ChatConfig()
     device: Literal["cpu", "cuda"] = "cpu"
 
     @model_validator(mode="after")
