@@ -386,7 +386,9 @@ def _remove_unheld_shm(prefixes: tuple[str, ...] = SHM_PREFIXES) -> list[str]:
     young = {inode: (path, ctime) for inode, (path, ctime) in files.items() if time.time() - ctime < SWEEP_MIN_AGE_S}
     removed = _unlink({inode: path for inode, (path, _) in files.items() if inode not in young})
     if young:
-        time.sleep(max(0.0, SWEEP_MIN_AGE_S - (time.time() - max(ctime for _, ctime in young.values()))))
+        # (a ctime in the future - the clock stepped back - waits no longer than a file just made)
+        wait = SWEEP_MIN_AGE_S - (time.time() - max(ctime for _, ctime in young.values()))
+        time.sleep(min(SWEEP_MIN_AGE_S, max(0.0, wait)))
         again = _unheld_shm(prefixes)
         removed += _unlink({inode: path for inode, (path, ctime) in young.items() if again.get(inode) == (path, ctime)})
     return removed
@@ -466,8 +468,8 @@ def sweep_nodes(node_ids: list[str] | None = None, wait_s: float = LEFTOVER_WAIT
     try:
         if node_ids is None:
             node_ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-        refs = [sweep_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(wait_s, dead_actors=tuple(dead_actors))
-                for node in dict.fromkeys(node_ids)]
+        refs = [sweep_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                .remote(wait_s, dead_actors=tuple(dead_actors)) for node in dict.fromkeys(node_ids)]
     except Exception as e:  # noqa: BLE001 - Ray itself is going: nothing to sweep with
         log.warning("could not sweep for dead engines' files: %s", e)
         return []

@@ -498,7 +498,7 @@ def test_chat_options_reach_vllms_front_end_arguments_and_bad_ones_are_refused(t
     parser the installed vLLM does not have, or a chat template that is neither a file nor a template, is refused
     naming the field before anything starts; auto tool choice without a parser at load."""
     from actors.frontend import FrontendSettings, vllm_args
-    from cluster.cli.launch import _device_options, check_chat
+    from cluster.cli.launch import _device_options, chat_flags, check_chat
 
     base = dict(model_name="m", model_dir="/m", max_model_len=64, coordinator_name="c", namespace="n")
     plain = vllm_args(FrontendSettings(**base))
@@ -509,10 +509,11 @@ def test_chat_options_reach_vllms_front_end_arguments_and_bad_ones_are_refused(t
         "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "tool_strict_level": "parameter",
         "chat_template": str(template), "default_chat_template_kwargs": {"enable_thinking": False}}}))
     check_chat(cfg)
-    args = vllm_args(FrontendSettings(**base, chat_flags=tuple(cfg.chat.vllm_flags())))
+    args = vllm_args(FrontendSettings(**base, chat_flags=chat_flags(cfg)))
     assert (args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser, args.tool_strict_level,
             args.chat_template, args.default_chat_template_kwargs) == \
-        ("hermes", True, "qwen3", "parameter", str(template), {"enable_thinking": False})
+        ("hermes", True, "qwen3", "parameter", template.read_text(), {"enable_thinking": False})  # the file's text:
+    # the front ends may run on nodes without the launcher's files
     from cluster.cli.tiny_model import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))

@@ -21,7 +21,7 @@ import ray
 
 from actors.engine import launch_engine_actor, stop_engine_actors
 from actors.engine_settings import free_port
-from actors.engine_procs import SHM_PREFIXES
+from actors.engine_procs import OWNER_FILE, SHM_PREFIXES
 from cluster.cli.bench.faults import kill_engine
 from cluster.core.config import DeployConfig, load_deploy
 from cluster.cli.launch import serve, stop_cluster
@@ -168,6 +168,8 @@ def test_an_engine_stopped_or_killed_while_it_starts_leaves_nothing(ray_local, g
     try:
         ray.get(client.ready(), timeout=60)
         tmpdir = ray.get(client.leftovers(), timeout=30).tmpdir
+        # the owner file names the actor as the stop's sweep knows it (`EngineClient.actor_id`): it waits for it
+        assert open(os.path.join(tmpdir, OWNER_FILE)).read().split()[2] == client.actor_id
         wait_for(lambda: ray.get(client.phase(), timeout=10).startswith(phase), 300, poll_s=0.1)
         if phase == "loading vLLM":  # the workers have started and made their segments
             wait_for(lambda: len(ray.get(client.pids(), timeout=10)) >= 4, 120, poll_s=0.1)

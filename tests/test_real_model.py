@@ -134,3 +134,16 @@ def test_a_nemotron_config_as_transformers_writes_it_has_the_same_shape():
     assert model_shape(saved) == model_shape(text)
     with pytest.raises(ConfigError, match="layers_block_type: unknown layer kinds \\['conv'\\]"):
         model_shape({**saved, "layers_block_type": ["conv", *saved["layers_block_type"][1:]]})
+    # and the builder takes it in that form too
+    saved["architectures"] = ["NemotronHForCausalLM"]
+    _, again = rm.prepare(saved, layers=8)
+    assert again["hybrid_override_pattern"] == "M-M-M-M*" and "layers_block_type" not in again
+
+
+def test_the_command_lines_default_directory_is_never_a_builtin_one():
+    """`build-model --config qwen3.5-0.8b` must not replace models/qwen3.5-0.8b, which `model.builtin` serves."""
+    for config, layers, vocab, experts in [("qwen3.5-0.8b", None, None, None), ("qwen3.5-0.8b", None, 1024, None),
+                                           ("nemotron-h-8b", 8, 1024, None), ("qwen3.5-35b-a3b", 4, None, 8)]:
+        name = rm.default_name(MODELS / f"{config}.json", layers, vocab, experts)
+        assert name.endswith("-built") and name not in rm.BUILT, name
+    assert rm.default_name(MODELS / "nemotron-h-8b.json", 8, 1024, None) == "nemotron-h-8b-8l-v1024-built"

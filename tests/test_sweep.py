@@ -46,6 +46,17 @@ time.sleep(300)
 """
 
 
+MAPPER = """
+import mmap, os, time
+time.sleep(0.3)
+fd = os.open({shm!r}, os.O_RDWR)
+segment = mmap.mmap(fd, 4096)
+os.close(fd)
+print("ok", flush=True)
+time.sleep(300)
+"""
+
+
 def _start(code: str) -> tuple[subprocess.Popen, list[str]]:
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     return p, p.stdout.readline().split()
@@ -140,22 +151,22 @@ def test_a_young_unheld_segment_is_judged_once_it_is_old_enough(tmp_path, monkey
     """Files are judged only once they have not changed for SWEEP_MIN_AGE_S: one just made may be between its creation
     and its mapping (here a process maps it meanwhile: it stays), and a dead engine's message queue may have been
     written for the last time a moment ago (nobody maps it: the same sweep removes it, once it is that old)."""
-    monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 1.5)
+    monkeypatch.setattr(procs, "SWEEP_MIN_AGE_S", 2.5)
     tag = uuid.uuid4().hex[:8]
     made, orphan = (f"/dev/shm/psm_hpdtest_{tag}_{kind}" for kind in ("made", "orphan"))
-    Path(orphan).write_bytes(b"x")
-    Path(made).write_bytes(b"x")
+    Path(orphan).write_bytes(b"x" * 4096)
+    Path(made).write_bytes(b"x" * 4096)
     mapper = None
     try:
-        mapper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)\n" + HOLDER.format(shm=made)],
-                                  stdout=subprocess.PIPE, text=True)
+        # maps the file as it is (no truncate, no write: its ctime stays), a moment after the sweep has listed it
+        mapper = subprocess.Popen([sys.executable, "-c", MAPPER.format(shm=made)], stdout=subprocess.PIPE, text=True)
         t0 = time.monotonic()
         removed = procs.sweep_dead_engines(str(tmp_path), wait_s=0, shm_prefixes=OURS)
         took = time.monotonic() - t0
         assert mapper.stdout.readline().strip() == "ok"
         assert orphan in removed and not os.path.exists(orphan), removed
         assert made not in removed and os.path.exists(made)  # mapped while the sweep waited for it to age
-        assert 1.0 <= took < 5, took
+        assert 1.5 <= took < 6, took
     finally:
         if mapper is not None:
             mapper.kill()

@@ -527,8 +527,18 @@ def frontend_settings(cluster: Cluster):
         stall_timeout_s=cfg.routing.stall_timeout_s,
         failover_wait_s=cfg.routing.failover_wait_s,
         max_requests_in_flight=cfg.http.max_requests_in_flight, max_queued_requests=cfg.http.max_queued_requests,
-        max_n=cfg.http.max_n, replicas=cfg.http.replicas, chat_flags=tuple(cfg.chat.vllm_flags()),
+        max_n=cfg.http.max_n, replicas=cfg.http.replicas, chat_flags=chat_flags(cfg),
     )
+
+
+def chat_flags(cfg: DeployConfig) -> tuple[str, ...]:
+    """`chat` as `vllm serve` arguments for the front ends, a chat template file given as its text: the front ends
+    are Ray actors (on every node with http.location every_node) that may not see the launcher's files."""
+    flags = cfg.chat.vllm_flags()
+    template = cfg.chat.chat_template
+    if template and Path(template).is_file():
+        flags[flags.index("--chat-template") + 1] = Path(template).read_text()
+    return tuple(flags)
 
 
 def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.core.hf_config import ConfigError, load_config, model_shape
+from cluster.core.hf_config import NEMOTRON_BLOCKS, ConfigError, load_config, model_shape
 from cluster.core.layout import dtype_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -113,6 +113,13 @@ def prepare(cfg: dict[str, Any], layers: int | None = None, vocab: int | None = 
     (keeping the real layer pattern), `vocab` and `experts`."""
     arch, text = text_config(cfg)
     model_type = text.get("model_type")
+    if model_type == "nemotron_h" and not text.get("hybrid_override_pattern") and \
+            isinstance(text.get("layers_block_type"), list):  # as transformers 5 writes it
+        unknown = sorted({str(n) for n in text["layers_block_type"]} - set(NEMOTRON_BLOCKS))
+        if unknown:
+            raise BuildError("layers_block_type", f"unknown layer kinds {unknown}")
+        text = {**text, "hybrid_override_pattern": "".join(NEMOTRON_BLOCKS[n] for n in text["layers_block_type"])}
+    text.pop("layers_block_type", None)  # the pattern is rewritten below (cut to --layers)
     if model_type not in REQUIRED:
         raise BuildError("model_type", f"no builder for {model_type!r} ({arch}); builds: {sorted(REQUIRED)}")
     need = list(REQUIRED[model_type])
@@ -328,6 +335,13 @@ def resolve_config(value: str) -> Path:
     raise BuildError("--config", f"{value!r}: no such file, nor a config under configs/models ({', '.join(known)})")
 
 
+def default_name(config: Path, layers: int | None, vocab: int | None, experts: int | None) -> str:
+    """`build-model --config`'s directory under models/: the config's name and the cuts, ending in "-built" - never a
+    `model.builtin` directory (a build there would replace the model a running cluster serves)."""
+    cuts = (f"-{layers}l" if layers else "") + (f"-v{vocab}" if vocab else "") + (f"-{experts}e" if experts else "")
+    return f"{config.stem}{cuts}-built"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="build-model --config", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a config.json (or model directory), or a name under "
@@ -335,12 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, help="keep the first N layers of the real pattern")
     parser.add_argument("--vocab", type=int, help="embedding rows (default: the real vocabulary)")
     parser.add_argument("--experts", type=int, help="experts per MoE layer (default: the real count)")
-    parser.add_argument("--out", type=Path, help="output directory (default: models/<config name>[-<N>l])")
+    parser.add_argument("--out", type=Path, help="output directory (default: models/<config name>[-<N>l][-v<V>]"
+                        "[-<E>e]-built)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
         path = resolve_config(args.config)
-        out = args.out or REPO_ROOT / "models" / (path.stem + (f"-{args.layers}l" if args.layers else ""))
+        out = args.out or REPO_ROOT / "models" / default_name(path, args.layers, args.vocab, args.experts)
         build(path, out, args.layers, args.vocab, args.seed, args.experts)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
