@@ -288,12 +288,7 @@ def _end_dead_owners(base: str, dead_actors: Any, wait_s: float) -> None:
     tearing down: its TMPDIR would look owned, its engine's files held."""
     dead_actors = set(dead_actors)
     owners = []
-    try:
-        names = [n for n in os.listdir(base) if n.startswith(TMPDIR_PREFIX)]
-    except OSError:
-        names = []
-    for name in names:
-        path = os.path.join(base, name)
+    for path in _engine_tmpdirs(base):
         try:
             owner = _owner(path)
         except (OSError, ValueError):
@@ -304,6 +299,14 @@ def _end_dead_owners(base: str, dead_actors: Any, wait_s: float) -> None:
                 owners.append(p)
     if owners:
         end_processes(owners, wait_s)
+
+
+def _engine_tmpdirs(base: str) -> list[str]:
+    """The paths in `base` named like engine TMPDIRs (TMPDIR_PREFIX); none when `base` cannot be read."""
+    try:
+        return [os.path.join(base, n) for n in os.listdir(base) if n.startswith(TMPDIR_PREFIX)]
+    except OSError:
+        return []
 
 
 def _made(tmpdir: str, st: os.stat_result) -> float:
@@ -346,12 +349,7 @@ def sweep_dead_engines(base: str | None = None, wait_s: float = LEFTOVER_WAIT_S,
         _end_dead_owners(base, dead_actors, wait_s)
     uid, now = os.getuid(), time.time()
     dead = []
-    try:
-        names = [n for n in os.listdir(base) if n.startswith(TMPDIR_PREFIX)]
-    except OSError:
-        names = []
-    for name in names:
-        path = os.path.join(base, name)
+    for path in _engine_tmpdirs(base):
         try:
             st = os.lstat(path)
         except OSError:
