@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.core.hf_config import NEMOTRON_BLOCKS, ConfigError, load_config, model_shape
+from cluster.core.hf_config import ConfigError, gdn_layer_types, load_config, model_shape, nemotron_pattern
 from cluster.core.layout import dtype_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -113,12 +113,8 @@ def prepare(cfg: dict[str, Any], layers: int | None = None, vocab: int | None = 
     (keeping the real layer pattern), `vocab` and `experts`."""
     arch, text = text_config(cfg)
     model_type = text.get("model_type")
-    if model_type == "nemotron_h" and not text.get("hybrid_override_pattern") and \
-            isinstance(text.get("layers_block_type"), list):  # as transformers 5 writes it
-        unknown = sorted({str(n) for n in text["layers_block_type"]} - set(NEMOTRON_BLOCKS))
-        if unknown:
-            raise BuildError("layers_block_type", f"unknown layer kinds {unknown}")
-        text = {**text, "hybrid_override_pattern": "".join(NEMOTRON_BLOCKS[n] for n in text["layers_block_type"])}
+    if model_type == "nemotron_h" and text.get("layers_block_type") is not None:  # as transformers 5 writes it
+        text["hybrid_override_pattern"] = nemotron_pattern(text)
     text.pop("layers_block_type", None)  # the pattern is rewritten below (cut to --layers)
     if model_type not in REQUIRED:
         raise BuildError("model_type", f"no builder for {model_type!r} ({arch}); builds: {sorted(REQUIRED)}")
@@ -130,19 +126,13 @@ def prepare(cfg: dict[str, Any], layers: int | None = None, vocab: int | None = 
             raise BuildError(name, f"{arch} needs {name} to be built (add it to the config: the class default would "
                                    "change the model)")
     text = {k: v for k, v in text.items() if not k.startswith("_")}
+    first_attention = (model_shape(text).attention_layers or ["?"])[0]  # of the whole model, for the refusal below
     if model_type == "nemotron_h":
-        pattern = text["hybrid_override_pattern"]
-        if layers is not None:
-            pattern = pattern[:layers]
+        pattern = text["hybrid_override_pattern"][:layers]  # [:None]: all of it
         text["hybrid_override_pattern"] = pattern
         text["num_hidden_layers"] = len(pattern)
     else:
-        n = int(text["num_hidden_layers"])
-        types = text.get("layer_types")
-        if types is None:
-            interval = int(text.get("full_attention_interval", 4))
-            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-        text["layer_types"] = list(types[:layers] if layers is not None else types)
+        text["layer_types"] = list(gdn_layer_types(text)[:layers])
         text["num_hidden_layers"] = len(text["layer_types"])
     if layers is not None and layers < 1:
         raise BuildError("--layers", f"{layers}: at least one layer")
@@ -150,7 +140,7 @@ def prepare(cfg: dict[str, Any], layers: int | None = None, vocab: int | None = 
     if not shape.state_layers or not shape.attention_layers:
         raise BuildError("--layers", f"{layers} layers of {arch} keep no "
                                      f"{'attention' if shape.state_layers else 'state'} layer: a hybrid needs both "
-                                     f"(the first attention layer is layer {_first(cfg, layers)})")
+                                     f"(the first attention layer is layer {first_attention})")
     if experts is not None:
         field = EXPERTS_FIELD.get(model_type)
         if field is None or text.get(field) is None:
@@ -165,14 +155,6 @@ def prepare(cfg: dict[str, Any], layers: int | None = None, vocab: int | None = 
     text.setdefault("torch_dtype", "bfloat16")
     text.update({"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
     return arch, text
-
-
-def _first(cfg: dict[str, Any], layers: int | None) -> str:
-    try:
-        _, text = prepare(cfg, None, None)
-    except ConfigError:
-        return "?"
-    return str(model_shape(text).attention_layers[0])
 
 
 def state_figures(text: dict[str, Any]) -> tuple[int, int]:

@@ -127,6 +127,33 @@ NEMOTRON_BLOCKS = {"mamba": "M", "linear_attention": "M", "attention": "*", "ful
                    "moe": "E"}
 
 
+def gdn_layer_types(text: dict[str, Any], prefix: str = "") -> list[Any]:
+    """A GDN hybrid's layer kinds, one per layer: its `layer_types`, or every `full_attention_interval`-th layer
+    (default 4) full attention and the others linear (GDN)."""
+    r = _Reader(text, prefix)
+    n = r.get("num_hidden_layers")
+    types = text.get("layer_types")
+    if types is None:
+        interval = r.get("full_attention_interval", default=4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise ConfigError(prefix + "layer_types", f"must list {n} layer types (num_hidden_layers)")
+    return types
+
+
+def nemotron_pattern(text: dict[str, Any], prefix: str = "") -> str:
+    """Nemotron-H's `hybrid_override_pattern` (M Mamba2, * attention, - MLP, E MoE), or the same read from the list of
+    layer kinds transformers 5 writes instead (`layers_block_type`)."""
+    names = text.get("layers_block_type")
+    if "hybrid_override_pattern" not in text and isinstance(names, list):
+        unknown = sorted({str(n) for n in names} - set(NEMOTRON_BLOCKS))
+        if unknown:
+            raise ConfigError(prefix + "layers_block_type", f"unknown layer kinds {unknown}; expected one of "
+                                                            f"{sorted(NEMOTRON_BLOCKS)}")
+        return "".join(NEMOTRON_BLOCKS[n] for n in names)
+    return _Reader(text, prefix).get("hybrid_override_pattern", kind=str)
+
+
 def model_shape(cfg: dict[str, Any]) -> ModelShape:
     """The TP-independent per-request cache shape of a model, from its HF config dict."""
     text, prefix = _text_config(cfg)
@@ -136,27 +163,13 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape:
     arch = str(archs[0]) if isinstance(archs, list) and archs else str(archs)
 
     if "linear_num_value_heads" in text or model_type.startswith(("qwen3_next", "qwen3_5")):
-        n = r.get("num_hidden_layers")
-        types = text.get("layer_types")
-        if types is None:
-            interval = r.get("full_attention_interval", default=4)
-            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-        if not isinstance(types, list) or len(types) != n:
-            raise ConfigError(prefix + "layer_types", f"must list {n} layer types (num_hidden_layers)")
+        types = gdn_layer_types(text, prefix)
+        n = len(types)
         st, at = _layers_from_types(types, prefix + "layer_types", {"linear_attention"}, {"full_attention", "attention"})
         return ModelShape(arch, n, tuple(st), tuple(at), _gdn_state(r), _attention(r) if at else None)
 
     if model_type == "nemotron_h" or "hybrid_override_pattern" in text:
-        if "hybrid_override_pattern" not in text and isinstance(text.get("layers_block_type"), list):
-            # transformers 5 writes the pattern as a list of layer kinds
-            names = text["layers_block_type"]
-            unknown = sorted({str(n) for n in names} - set(NEMOTRON_BLOCKS))
-            if unknown:
-                raise ConfigError(prefix + "layers_block_type", f"unknown layer kinds {unknown}; expected one of "
-                                                                f"{sorted(NEMOTRON_BLOCKS)}")
-            text = {**text, "hybrid_override_pattern": "".join(NEMOTRON_BLOCKS[n] for n in names)}
-            r = _Reader(text, prefix)
-        pattern = r.get("hybrid_override_pattern", kind=str)
+        pattern = nemotron_pattern(text, prefix)
         state_idx = [i for i, c in enumerate(pattern) if c == "M"]
         attn_idx = [i for i, c in enumerate(pattern) if c == "*"]
         bad = sorted(set(pattern) - set("M*-E"))
