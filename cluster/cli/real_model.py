@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
-import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -33,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from cluster.core.hf_config import ConfigError, gdn_layer_types, load_config, model_shape, nemotron_pattern
+from cluster.cli.tiny_model import source_hash, staged, stamped
 from cluster.core.layout import dtype_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MARKER = ".build-stamp"
 HEAD_SCALE = 4.0  # output head rows ~ N(0, HEAD_SCALE^2 / hidden): logits of std ~4 nats on a unit-RMS hidden state
 
 # multimodal checkpoints' architectures -> the text model vLLM serves from their text config
@@ -223,10 +220,6 @@ def informative_share(model, vocab: int, seed: int, prompts: int = 4, length: in
     return float(((top[..., 0] - top[..., 4]) > 1.0).float().mean())
 
 
-def builder_hash() -> str:
-    return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()[:16]
-
-
 def build(config_path: str | Path, out_dir: str | Path, layers: int | None = None, vocab: int | None = None,
           seed: int = 0, experts: int | None = None) -> Built:
     """Build the model of `config_path` into `out_dir` (replacing it; written beside it and renamed into place)."""
@@ -241,10 +234,7 @@ def build(config_path: str | Path, out_dir: str | Path, layers: int | None = Non
     out_dir = Path(out_dir)
     print(f"building {arch} from {config_path}: {text['num_hidden_layers']} layers, vocab {text['vocab_size']}, "
           f"seed {seed}", flush=True)
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged(out_dir, _stamp(config_path, layers, vocab, seed, experts)) as tmp:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = model_cls(config)
@@ -257,25 +247,16 @@ def build(config_path: str | Path, out_dir: str | Path, layers: int | None = Non
         state, kv = state_figures(text)
         built = Built(out_dir, arch, int(text["num_hidden_layers"]), parameters,
                       sum(f.stat().st_size for f in tmp.glob("*.safetensors")), state, kv, informative)
-        (tmp / MARKER).write_text(json.dumps(_stamp(config_path, layers, vocab, seed, experts)) + "\n")
         (tmp / "build-report.json").write_text(json.dumps({**built.__dict__, "out_dir": str(out_dir)}) + "\n")
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"built into {out_dir} in {time.monotonic() - t0:.1f} s: {built.report()}", flush=True)
     return built
 
 
 def _stamp(config_path: str | Path, layers: int | None, vocab: int | None, seed: int,
            experts: int | None) -> dict[str, Any]:
-    return {"config": hashlib.sha256(Path(load_config_path(config_path)).read_bytes()).hexdigest()[:16],
-            "layers": layers, "vocab": vocab, "experts": experts, "seed": seed, "builder": builder_hash()}
-
-
-def load_config_path(path: str | Path) -> Path:
-    p = Path(path)
-    return p / "config.json" if p.is_dir() else p
+    config = json.dumps(load_config(config_path), sort_keys=True).encode()
+    return {"config": hashlib.sha256(config).hexdigest()[:16], "layers": layers, "vocab": vocab, "experts": experts,
+            "seed": seed, "builder": source_hash(__name__)}
 
 
 def ensure_real_model(name: str, root: Path = Path("models"), seed: int = 0) -> Path:
@@ -286,11 +267,7 @@ def ensure_real_model(name: str, root: Path = Path("models"), seed: int = 0) -> 
     config_path = REPO_ROOT / "configs" / "models" / config_name
     root = root if root.is_absolute() else REPO_ROOT / root
     out_dir = root / name
-    try:
-        have = json.loads((out_dir / MARKER).read_text())
-    except (OSError, ValueError):
-        have = None
-    if have != _stamp(config_path, layers, vocab, seed, experts):
+    if not stamped(out_dir, _stamp(config_path, layers, vocab, seed, experts)):
         build(config_path, out_dir, layers, vocab, seed, experts)
     return out_dir
 

@@ -29,6 +29,7 @@ end-to-end tests; `probe_prompts` finds prompts whose next token needs a given p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -38,7 +39,9 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 KINDS = ("gdn", "gdn-asym", "mamba2", "attn")  # the lookup-circuit kinds (`sharpen`)
 BENCH_KINDS = ("gdn-wide",)  # random weights, sized for benchmarks where prefill has to dominate
@@ -651,32 +654,53 @@ def build_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE):
 # building
 
 
+def source_hash(module: str) -> str:
+    """A hash of module `module`'s source (a builder's: its models are rebuilt when it changes)."""
+    return hashlib.sha256(inspect.getsource(sys.modules[module]).encode()).hexdigest()[:16]
+
+
 def builder_hash() -> str:
     """A hash of this module's source: `ensure_model` rebuilds when the builder changes."""
-    return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()[:16]
+    return source_hash(__name__)
+
+
+@contextlib.contextmanager
+def staged(out_dir: Path, stamp: dict[str, Any]) -> Iterator[Path]:
+    """A private directory beside `out_dir` to build a model into. When the block ends without an error, `stamp` is
+    written into it (MARKER) and it is renamed into place, replacing `out_dir`: concurrent builders never expose a
+    half-written model (the last one to finish wins). It is removed whatever happens."""
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        (tmp / MARKER).write_text(json.dumps(stamp) + "\n")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stamped(out_dir: Path, stamp: dict[str, Any]) -> bool:
+    """Whether `out_dir` holds a build whose MARKER is `stamp` (else it is missing, half there or stale)."""
+    try:
+        return json.loads((out_dir / MARKER).read_text()) == stamp
+    except (OSError, ValueError):
+        return False
 
 
 def build_model(kind: str, out_dir: Path, seed: int = 0) -> Path:
     """Build model `kind` into `out_dir` (replacing what is there) and return `out_dir`.
 
-    Written into a private temporary directory and renamed into place, so concurrent builders never expose a
-    half-written model (the last one to finish wins)."""
+    Written into a private temporary directory and renamed into place (`staged`)."""
     out_dir = Path(out_dir)
     t0 = time.monotonic()
     config = model_config(kind)  # validates kind before touching the directory
     print(f"building {kind} ({config.architectures or _model_class(kind).__name__}, seed {seed})", flush=True)
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged(out_dir, {"kind": kind, "seed": seed, "builder": builder_hash()}) as tmp:
         model = make_model(kind, seed)
         model.save_pretrained(str(tmp))
         build_tokenizer(tmp)
-        (tmp / MARKER).write_text(json.dumps({"kind": kind, "seed": seed, "builder": builder_hash()}) + "\n")
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"built {kind} (seed {seed}) into {out_dir} in {time.monotonic() - t0:.1f} s", flush=True)
     return out_dir
 
@@ -687,12 +711,7 @@ def ensure_model(kind: str, root: Path = Path("models"), seed: int = 0) -> Path:
     if not root.is_absolute():
         root = REPO_ROOT / root
     out_dir = root / kind
-    want = {"kind": kind, "seed": seed, "builder": builder_hash()}
-    try:
-        have = json.loads((out_dir / MARKER).read_text())
-    except (OSError, ValueError):
-        have = None
-    if have != want:
+    if not stamped(out_dir, {"kind": kind, "seed": seed, "builder": builder_hash()}):
         build_model(kind, out_dir, seed)
     return out_dir
 
