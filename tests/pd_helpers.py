@@ -182,33 +182,55 @@ def gather(coros) -> list:
     return asyncio.run(main())
 
 
+def _run_time_layout(registration: Any):
+    """(model shape, the engine's run-time layout, its state places [(group, region, layer)], its attention places
+    [(group, region)]) from a registration."""
+    from cluster.core.hf_config import model_shape
+    from cluster.core.layout import layout_from_report
+
+    shape = model_shape(registration.hf_config)
+    lay = layout_from_report(registration.ranks[0]["layout"], shape)
+    places = [(g, region, layer) for g, group in enumerate(lay.groups) if group.kind == "state"
+              for region, layer in enumerate(group.layers)]
+    attention = [(g, region) for g, group in enumerate(lay.groups) if group.kind == "attention"
+                 for region in range(len(group.layers))]
+    return shape, lay, places, attention
+
+
+def _every_state_layer(lay, places, ranges: list[tuple[int, int]], dtype: str) -> list[list[dict]]:
+    return [[{"group": g, "region": region, "dtype": dtype, "ranges": ranges} for g, region, _ in places]] * lay.tp
+
+
+def _attention_and_control(lay, places, attention) -> dict[str, list[list[dict]]]:
+    """Attention K and V of every attention layer, and (where the state pages have some) the control: noise in
+    state page padding, bytes the model never reads."""
+    out: dict[str, list[list[dict]]] = {}
+    half = lay.kv_head_bytes // 2  # a KV head's K rows, then its V rows, in each kernel page
+    for name, start in (("attention K", 0), ("attention V", half)):
+        ranges = [(k * lay.kernel_page_bytes + h * lay.kv_head_bytes + start, half)
+                  for k in range(lay.physical_blocks_per_logical) for h in range(lay.kv_heads_local)]
+        out[name] = [[{"group": g, "region": region, "dtype": lay.dtype, "ranges": ranges}
+                      for g, region in attention]] * lay.tp
+    padding = lay.page_bytes - lay.min_state_page_bytes
+    if padding >= 4:
+        out[CONTROL] = _every_state_layer(lay, places, [(lay.min_state_page_bytes, padding // 4 * 4)], "float32")
+    return out
+
+
 def byte_classes(registration: Any, probes: dict[str, list[int]]) -> dict[str, tuple[list[int], list[list[dict]]]]:
     """Every byte class a decode engine reads for a hybrid request, as (probe prompt, noise specs per rank) for
     `EngineClient.corrupt_next_read`: each conv sub-projection (GDN Q, K, V; Mamba2 x, B, C) and each conv row in every
     state layer, each recurrent head of each state layer (on the rank that holds it), attention K and V. Offsets come
     from the engine's run-time layout (`cluster.core.layout`). `probes`: the model's probe prompts (`cluster.cli.tiny_model.probe_prompts`:
     "self" for the conv and attention classes, "layer L head H" for recurrent head H of the L-th state layer)."""
-    from cluster.core.hf_config import model_shape
-    from cluster.core.layout import layout_from_report
-
-    shape = model_shape(registration.hf_config)
-    ranks = registration.ranks
-    lay = layout_from_report(ranks[0]["layout"], shape)
+    shape, lay, places, attention = _run_time_layout(registration)
     state, tp = shape.state, lay.tp
-    places = [(g, region, layer) for g, group in enumerate(lay.groups) if group.kind == "state"
-              for region, layer in enumerate(group.layers)]
-    attention = [(g, region) for g, group in enumerate(lay.groups) if group.kind == "attention"
-                 for region in range(len(group.layers))]
-
-    def every_state_layer(ranges: list[tuple[int, int]], dtype: str) -> list[list[dict]]:
-        return [[{"group": g, "region": region, "dtype": dtype, "ranges": ranges} for g, region, _ in places]] * tp
-
     out: dict[str, tuple[list[int], list[list[dict]]]] = {}
     for i, proj in enumerate(state.conv_projs):  # in the engine's conv layout: DS or SD (cluster.core.layout)
         ranges = lay.conv_ranges(i, 0, proj.local_units(tp))
-        out[f"conv {proj.name}"] = (probes["self"], every_state_layer(ranges, lay.dtype))
+        out[f"conv {proj.name}"] = (probes["self"], _every_state_layer(lay, places, ranges, lay.dtype))
     for r in range(lay.conv_rows):
-        out[f"conv row {r}"] = (probes["self"], every_state_layer(lay.conv_row_ranges(r), lay.dtype))
+        out[f"conv row {r}"] = (probes["self"], _every_state_layer(lay, places, lay.conv_row_ranges(r), lay.dtype))
     head_bytes = state.ssm.unit_elems * lay.ssm_elem_bytes
     for i, (g, region, layer) in enumerate(sorted(places, key=lambda p: p[2])):
         for head in range(state.ssm.units):
@@ -219,16 +241,19 @@ def byte_classes(registration: Any, probes: dict[str, list[int]]) -> dict[str, t
                     at = lay.ssm_offset + held.index(head) * head_bytes
                     specs[rank].append({"group": g, "region": region, "dtype": lay.ssm_dtype, "ranges": [(at, head_bytes)]})
             out[f"recurrent layer {layer} head {head}"] = (probes[f"layer {i} head {head}"], specs)
-    half = lay.kv_head_bytes // 2  # a KV head's K rows, then its V rows, in each kernel page
-    for name, start in (("attention K", 0), ("attention V", half)):
-        ranges = [(k * lay.kernel_page_bytes + h * lay.kv_head_bytes + start, half)
-                  for k in range(lay.physical_blocks_per_logical) for h in range(lay.kv_heads_local)]
-        out[name] = (probes["self"], [[{"group": g, "region": region, "dtype": lay.dtype, "ranges": ranges}
-                                       for g, region in attention]] * tp)
-    padding = lay.page_bytes - lay.min_state_page_bytes
-    if padding >= 4:  # a control: bytes of the state pages that the model never reads
-        out[CONTROL] = (probes["self"], every_state_layer([(lay.min_state_page_bytes, padding // 4 * 4)], "float32"))
+    for name, specs in _attention_and_control(lay, places, attention).items():
+        out[name] = (probes["self"], specs)
     return out
+
+
+def whole_byte_classes(registration: Any) -> dict[str, list[list[dict]]]:
+    """The byte classes of a hybrid request's transfer, each whole across every layer (noise specs per rank for
+    `EngineClient.corrupt_next_read`): conv state, recurrent state, attention K, attention V, and the control (state
+    page padding) where there is one - for models without probe prompts (the real-size builds)."""
+    _, lay, places, attention = _run_time_layout(registration)
+    return {"conv": _every_state_layer(lay, places, [(0, lay.conv_state_bytes)], lay.dtype),
+            "recurrent": _every_state_layer(lay, places, [(lay.ssm_offset, lay.ssm_state_bytes)], lay.ssm_dtype),
+            **_attention_and_control(lay, places, attention)}
 
 
 CONTROL = "control: state page padding"

@@ -1,4 +1,4 @@
-"""The command line: `python -m cluster <command>` (plan, build-model, bench, run)."""
+"""The command line: `python -m cluster <command>` (plan, build-model, check-outputs, bench, run)."""
 
 from __future__ import annotations
 
@@ -95,6 +95,12 @@ def _build_model(rest: list[str]) -> int:
     return build_main(rest)
 
 
+def _check_outputs(rest: list[str]) -> int:
+    from cluster.cli.oracle import main as check_main
+
+    return check_main(rest)
+
+
 def _bench(rest: list[str]) -> int:
     from cluster.cli.bench import main as bench_main
 
@@ -104,7 +110,7 @@ def _bench(rest: list[str]) -> int:
 # Commands whose own parser takes the rest of the line. argparse's REMAINDER does not take a rest that starts with an
 # option (`build-model --kind gdn` was refused as an unrecognized argument), so these are handed their arguments as
 # they are; the subparsers below only list them in `--help`.
-PASS_THROUGH = {"build-model": _build_model, "bench": _bench}
+PASS_THROUGH = {"build-model": _build_model, "check-outputs": _check_outputs, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
                        "weights from its config (--config configs/models/NAME.json [--layers N] [--vocab N])")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=lambda a: _build_model(a.rest))
+
+    c = sub.add_parser("check-outputs", help="a server's greedy tokens, teacher-forced against vLLM's own server on the "
+                       "same weights (--target URL --reference URL --model NAME --vocab N)")
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(func=lambda a: _check_outputs(a.rest))
 
     bench = sub.add_parser("bench", help="benchmarks (e2e: colocated vs disaggregated serving)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)

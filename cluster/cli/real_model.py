@@ -35,6 +35,11 @@ from cluster.core.layout import dtype_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEAD_SCALE = 4.0  # output head rows ~ N(0, HEAD_SCALE^2 / hidden): logits of std ~4 nats on a unit-RMS hidden state
+# Attention without query/key norms (Nemotron-H): q_proj and k_proj scaled by this each, so that scores spread ~4 nats
+# instead of ~1 and each query attends to a few positions, as a trained model's do. With the N(0, 1/fan_in) draw alone
+# attention is near uniform: noise written over a request's K or V cache averaged out and left the greedy tokens as
+# they were (tests/test_real_size_nemotron.py). Qwen3.5's attention normalizes q and k itself (q_norm, k_norm).
+QK_SCALE = 2.0
 
 # multimodal checkpoints' architectures -> the text model vLLM serves from their text config
 TEXT_ARCHITECTURES = {
@@ -183,8 +188,9 @@ def _config_object(arch: str, text: dict[str, Any]):
 
 
 def init_weights(model, seed: int) -> None:
-    """Every linear map N(0, 1/fan_in), embeddings N(0, 1), the output head N(0, HEAD_SCALE^2/hidden) (a tied head is
-    the embedding: it takes the head's init). Norms, convolutions, gates' biases and decays keep transformers' init."""
+    """Every linear map N(0, 1/fan_in) (attention's q and k maps times QK_SCALE where no norm follows them), embeddings
+    N(0, 1), the output head N(0, HEAD_SCALE^2/hidden) (a tied head is the embedding: it takes the head's init). Norms,
+    convolutions, gates' biases and decays keep transformers' init."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -200,6 +206,10 @@ def init_weights(model, seed: int) -> None:
                     module.bias.zero_()
             elif isinstance(module, torch.nn.Embedding) and module is not embed:
                 module.weight.copy_(torch.randn(module.weight.shape, generator=g))
+        for module in model.modules():
+            if all(hasattr(module, n) for n in ("q_proj", "k_proj")) and not hasattr(module, "q_norm"):
+                module.q_proj.weight.mul_(QK_SCALE)
+                module.k_proj.weight.mul_(QK_SCALE)
         if not tied:
             embed.weight.copy_(torch.randn(embed.weight.shape, generator=g))
         if head is not None:
@@ -256,7 +266,7 @@ def _stamp(config_path: str | Path, layers: int | None, vocab: int | None, seed:
            experts: int | None) -> dict[str, Any]:
     config = json.dumps(load_config(config_path), sort_keys=True).encode()
     return {"config": hashlib.sha256(config).hexdigest()[:16], "layers": layers, "vocab": vocab, "experts": experts,
-            "seed": seed, "builder": source_hash(__name__)}
+            "seed": seed, "builder": source_hash(__name__), "tokenizer": source_hash("cluster.cli.tiny_model")}
 
 
 def ensure_real_model(name: str, root: Path = Path("models"), seed: int = 0) -> Path:
