@@ -6,6 +6,7 @@ the decode engine - vLLM's own engine given the same sampling parameters."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -316,6 +317,88 @@ def test_tool_calls_come_back_parsed(served, client, tokenizer, choice):
         [(c.function.name, json.loads(c.function.arguments)) for c in calls]  # greedy: the same calls
 
 
+@contextlib.contextmanager
+def another_frontend(served, **settings):
+    """A further front end on the module's cluster (as several front ends share one: its own router and channels),
+    on a port of its own, with `settings` (`FrontendSettings` fields) over the launcher's; yields its URL."""
+    from actors.frontend import HTTPFrontend
+    from cluster.cli.launch import frontend_settings
+
+    frontend = HTTPFrontend.remote()
+    try:
+        yield ray.get(frontend.start.remote(dataclasses.replace(frontend_settings(served), port=free_port(), **settings)),
+                      timeout=300)
+    finally:
+        try:
+            ray.get(frontend.stop.remote(), timeout=60)
+        finally:
+            ray.kill(frontend, no_restart=True)
+
+
+# a chat template that renders the user's text alone, so that a test can choose the prompt's last token
+BARE_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def reasoning_frontend(served):
+    """A second front end on the module's cluster with `chat.reasoning_parser: deepseek_r1` and a template that
+    renders the user's text alone (the chat options as the launcher passes them: `launch.chat_flags`)."""
+    from cluster.cli.launch import chat_flags
+
+    cfg = served.cfg.model_copy(update={"chat": served.cfg.chat.model_copy(
+        update={"reasoning_parser": "deepseek_r1", "chat_template": BARE_TEMPLATE})})
+    with another_frontend(served, chat_flags=chat_flags(cfg)) as url:
+        yield url
+
+
+def thinking_prompt(tokenizer) -> tuple[str, list[int], int]:
+    """A user message after which the tiny model's greedy output holds `</think>` (the rule its weights implement,
+    `cluster.cli.tiny_model.expected_next_token`): words ending in a token k successors before `</think>`. Returns
+    the message, its token ids and the output length that ends 3 tokens past the marker."""
+    from cluster.cli.tiny_model import THINK, _WORDS, _codes
+    from tests.pd_helpers import oracle
+
+    end = tokenizer.convert_tokens_to_ids(THINK[1])
+    pred = _codes(0)[2]
+    for k in range(2, 12):
+        last = end
+        for _ in range(k):
+            last = int(pred[last])
+        for seed in range(20):
+            rng = random.Random(seed)
+            text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8))) + tokenizer.decode([last])
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            out = oracle(ids, k + 3) if ids[-1] == last else []
+            if end in out[1:-1]:
+                return text, ids, out.index(end) + 4
+    raise AssertionError("no prompt found whose output holds </think>")
+
+
+def test_reasoning_comes_back_split_out(served, reasoning_frontend, tokenizer):
+    """`chat.reasoning_parser` reaches vLLM's server: a chat whose greedy output holds `</think>` (after a prompt
+    chosen by the model's rule) comes back with the text before it as `reasoning` and the rest as `content`, streamed
+    and not; the output itself equals the same request run colocated."""
+    text, ids, max_tokens = thinking_prompt(tokenizer)
+    messages = [{"role": "user", "content": text}]
+    url = reasoning_frontend
+    assert httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": messages},
+                      headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"] == ids
+    _, want = colocated(served, ids, {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+    reasoning, marker, content = want.partition("</think>")
+    assert marker and reasoning and content, want
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    kw = dict(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    got = c.chat.completions.create(**kw).choices[0].message
+    assert (got.model_extra.get("reasoning"), got.content) == (reasoning, content)
+    parts = {"reasoning": "", "content": ""}
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            parts["reasoning"] += delta.model_extra.get("reasoning") or ""
+            parts["content"] += delta.content or ""
+    assert parts == {"reasoning": reasoning, "content": content}
+
+
 def test_requests_sharing_a_client_request_id_stay_apart(served, tokenizer):
     """vLLM takes a request's id from the client (X-Request-Id): two requests in flight with the same one must not
     share engine-side ids (outputs, aborts). Both complete with their own colocated answers."""
@@ -620,19 +703,8 @@ def small_frontend(served):
     """A second front end on the module's cluster (as several front ends share one: its own router and channels),
     admitting 1 request in flight and 1 waiting - so that the bound is reached with two requests while the module's
     own front end, and the tests that use it, keep the defaults."""
-    from actors.frontend import HTTPFrontend
-    from cluster.cli.launch import frontend_settings
-
-    settings = dataclasses.replace(frontend_settings(served), port=free_port(), max_requests_in_flight=1,
-                                   max_queued_requests=1)
-    frontend = HTTPFrontend.remote()
-    try:
-        yield ray.get(frontend.start.remote(settings), timeout=300)
-    finally:
-        try:
-            ray.get(frontend.stop.remote(), timeout=60)
-        finally:
-            ray.kill(frontend, no_restart=True)
+    with another_frontend(served, max_requests_in_flight=1, max_queued_requests=1) as url:
+        yield url
 
 
 def test_past_the_bound_requests_get_429_with_retry_after(served, small_frontend):

@@ -101,6 +101,11 @@ def test_tokenizer_round_trips_text(tmp_path_factory):
     assert tok.decode(ids, skip_special_tokens=True) == text
     assert len(tok) == models.VOCAB_SIZE
     assert len(ids) < len(text.encode())  # merges were learned
+    # the think markers: one ordinary token each (kept in decoded text), the vocabulary's last two ids
+    think = tok("a <think>plan</think> b", add_special_tokens=False)["input_ids"]
+    marks = [tok.convert_tokens_to_ids(t) for t in models.THINK]
+    assert marks == [models.VOCAB_SIZE - 2, models.VOCAB_SIZE - 1] and all(think.count(m) == 1 for m in marks)
+    assert tok.decode(think, skip_special_tokens=True) == "a <think>plan</think> b"
 
 
 def test_ensure_model_builds_once_and_rebuilds_when_the_builder_changes(tmp_path, monkeypatch):

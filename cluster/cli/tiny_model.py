@@ -50,6 +50,9 @@ VOCAB_SIZE = 1024
 HIDDEN_SIZE = 256
 MAX_POSITIONS = 4096
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"  # token ids 0, 1, 2
+# The last two token ids: ordinary (not special) added tokens, as in Qwen3's tokenizer, so that vLLM's reasoning
+# parsers (`chat.reasoning_parser`) find them; to the model they are tokens like any other.
+THINK = ("<think>", "</think>")
 MARKER = ".build-stamp"  # holds the builder hash; a changed builder rebuilds models on `ensure_model`
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -446,6 +449,7 @@ def sharpen(model, kind: str, generator) -> None:
 
 
 @functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
 def _codes(seed: int):
     import torch
 
@@ -623,15 +627,16 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE):
-    """Train a byte-level BPE (any text round-trips) and save it as a `PreTrainedTokenizerFast`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """Train a byte-level BPE (any text round-trips), add the think markers (`THINK`, the last two ids) and save it as
+    a `PreTrainedTokenizerFast`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(THINK),
         special_tokens=[PAD, BOS, EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -642,6 +647,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE):
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 1)]
     )
     assert tok.token_to_id(PAD) == 0 and tok.token_to_id(BOS) == 1 and tok.token_to_id(EOS) == 2
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK])
+    assert [tok.token_to_id(t) for t in THINK] == list(range(vocab_size - len(THINK), vocab_size)), "vocab not full"
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=MAX_POSITIONS
     )
