@@ -52,7 +52,7 @@ def test_layers_keep_the_real_pattern_and_vocab_only_the_embedding():
     ("qwen3.5-0.8b", {"layers": 0}, "--layers", "at least one layer"),
     ("qwen3.5-35b-a3b", {"experts": 4}, "--experts", "fewer than the 8 active per token"),
     ("qwen3.5-0.8b", {"experts": 8}, "--experts", "has no experts"),
-    ("qwen3.5-0.8b", {"vocab": 8}, "--vocab", "at least 16"),
+    ("qwen3.5-0.8b", {"vocab": 260}, "--vocab", "at least 261"),
 ])
 def test_a_build_that_cannot_be_made_is_refused_naming_the_option(name, kwargs, field, words):
     with pytest.raises(rm.BuildError, match=field) as e:
@@ -87,13 +87,13 @@ def test_state_figures_are_the_planners():
 
 
 def test_a_built_model_loads_with_its_real_classes_and_its_logits_are_informative(tmp_path):
-    """Four layers of Qwen3.5-0.8B (three GDN, one attention) at a 256-token vocabulary: transformers loads it as the
+    """Four layers of Qwen3.5-0.8B (three GDN, one attention) at a 512-token vocabulary: transformers loads it as the
     architecture it names, every tensor at the real width; its top logit beats the fifth by more than a nat at most
     positions, where transformers' own init gives (nearly) none - what makes an output check able to fail."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    built = rm.build(MODELS / "qwen3.5-0.8b.json", tmp_path / "m", layers=4, vocab=256)
+    built = rm.build(MODELS / "qwen3.5-0.8b.json", tmp_path / "m", layers=4, vocab=512)
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForCausalLM"] and config["num_hidden_layers"] == 4
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
@@ -101,11 +101,11 @@ def test_a_built_model_loads_with_its_real_classes_and_its_logits_are_informativ
     assert sum(p.numel() for p in model.parameters()) == built.parameters
     assert model.model.layers[0].mlp.gate_proj.weight.shape == (3584, 1024)
     assert built.informative > 0.6, built.report()
-    _, text = rm.prepare(_cfg("qwen3.5-0.8b"), layers=4, vocab=256)
+    _, text = rm.prepare(_cfg("qwen3.5-0.8b"), layers=4, vocab=512)
     model_cls, cfg = rm._config_object("Qwen3_5ForCausalLM", text)
     torch.manual_seed(0)
     flat = model_cls(cfg).to(torch.bfloat16).eval()
-    assert rm.informative_share(flat, 256, 0) < 0.1
+    assert rm.informative_share(flat, 512, 0) < 0.1
     assert (tmp_path / "m" / "tokenizer.json").exists() and json.loads(
         (tmp_path / "m" / "build-report.json").read_text())["state_bytes"] == built.state_bytes
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.core.hf_config import ConfigError, gdn_layer_types, load_config, model_shape, nemotron_pattern
-from cluster.cli.tiny_model import source_hash, staged, stamped
+from cluster.cli.tiny_model import MIN_VOCAB, source_hash, staged, stamped
 from cluster.core.layout import dtype_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -151,8 +151,9 @@ def prepare(cfg: dict[str, Any], layers: int | None = None, vocab: int | None = 
             raise BuildError("--experts", f"{experts}: fewer than the {text['num_experts_per_tok']} active per token")
         text[field] = experts
     if vocab is not None:
-        if vocab < 16:
-            raise BuildError("--vocab", f"{vocab}: at least 16")
+        if vocab < MIN_VOCAB:
+            raise BuildError("--vocab", f"{vocab}: at least {MIN_VOCAB} (the local tokenizer's bytes, specials and think "
+                             "markers)")
         text["vocab_size"] = vocab
     text.setdefault("torch_dtype", "bfloat16")
     text.update({"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})

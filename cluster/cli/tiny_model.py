@@ -53,6 +53,7 @@ PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"  # token ids 0, 1, 2
 # The last two token ids: ordinary (not special) added tokens, as in Qwen3's tokenizer, so that vLLM's reasoning
 # parsers (`chat.reasoning_parser`) find them; to the model they are tokens like any other.
 THINK = ("<think>", "</think>")
+MIN_VOCAB = 256 + 3 + len(THINK)  # the smallest tokenizer: every byte, the specials and the think markers
 MARKER = ".build-stamp"  # holds the builder hash; a changed builder rebuilds models on `ensure_model`
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -631,6 +632,10 @@ def build_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE):
     a `PreTrainedTokenizerFast`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"a {vocab_size}-token vocabulary cannot hold the tokenizer (at least {MIN_VOCAB}: every byte, "
+                         "the specials and the think markers)")
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
