@@ -75,16 +75,19 @@ class Reference:
         return Checked(list(prompt), list(output), self._seen[key])
 
     def assert_right(self, prompt: list[int], output: list[int], what: str) -> None:
+        assert len(output) == MAX_TOKENS, f"{what}: {len(output)} tokens, {MAX_TOKENS} asked for"
         got = self.check(prompt, output)
         bad = got.first_over(TOLERANCE)
-        assert len(output) == MAX_TOKENS and bad is None, (
-            f"{what}: token {bad} of {output} is {got.gaps[bad] if bad is not None else 0:.2f} nats below vLLM's top "
-            f"choice (gaps {[round(g, 2) for g in got.gaps]})")
+        assert bad is None, (f"{what}: token {bad} of {output} is {got.gaps[bad]:.2f} nats below vLLM's top choice "
+                             f"(gaps {[round(g, 2) for g in got.gaps]})")
 
 
 def document(seed: int, n: int) -> list[int]:
+    """BOS and n - 1 seeded random token ids (any but the specials)."""
+    from cluster.cli.tiny_model import VOCAB_SIZE
+
     rng = random.Random(seed)
-    return [1] + [rng.randrange(3, 1024) for _ in range(n - 1)]
+    return [1] + [rng.randrange(3, VOCAB_SIZE) for _ in range(n - 1)]
 
 
 def block_size(pd: PDCluster) -> int:
@@ -104,9 +107,12 @@ def corrupted_classes(pd: PDCluster, reference: Reference, prefill: str, decode_
     router = pd.routers["decode"]
     out = {}
     for i, (name, specs) in enumerate(whole_byte_classes(ray.get(decode.registration())).items()):
+        ray.get(decode.transfer_stats())  # (drained: the next call lists this request's reads only)
         ray.get(decode.corrupt_next_read(specs, 100 + i))
         prompt = document(seed + i, length)
         output = gather([run_pair(router, prefill, pd.engine_id(*decode_key), prompt, MAX_TOKENS)])[0]
+        reads = ray.get(decode.transfer_stats())
+        assert reads and all(r["ok"] for r in reads), f"{name}: the request read nothing, so the noise waits: {reads}"
         out[name] = reference.check(prompt, output)
     return out
 

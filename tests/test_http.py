@@ -339,7 +339,7 @@ def another_frontend(served, **settings):
 BARE_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def reasoning_frontend(served):
     """A second front end on the module's cluster with `chat.reasoning_parser: deepseek_r1` and a template that
     renders the user's text alone (the chat options as the launcher passes them: `launch.chat_flags`)."""
@@ -358,7 +358,7 @@ def thinking_prompt(tokenizer) -> tuple[str, list[int], int]:
     from cluster.cli.tiny_model import THINK, _WORDS, _codes
     from tests.pd_helpers import oracle
 
-    end = tokenizer.convert_tokens_to_ids(THINK[1])
+    start, end = tokenizer.convert_tokens_to_ids(list(THINK))
     pred = _codes(0)[2]
     for k in range(2, 12):
         last = end
@@ -369,8 +369,9 @@ def thinking_prompt(tokenizer) -> tuple[str, list[int], int]:
             text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8))) + tokenizer.decode([last])
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             out = oracle(ids, k + 3) if ids[-1] == last else []
-            if end in out[1:-1]:
-                return text, ids, out.index(end) + 4
+            at = out.index(end) if end in out else -1
+            if 0 < at < len(out) - 1 and start not in out:  # some reasoning, then the marker, then some content
+                return text, ids, at + 4
     raise AssertionError("no prompt found whose output holds </think>")
 
 

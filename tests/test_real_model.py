@@ -69,6 +69,10 @@ def test_a_config_missing_what_the_build_needs_is_refused_naming_the_field():
     del moe["moe_shared_expert_intermediate_size"]  # needed only because its pattern has MoE layers ("E")
     with pytest.raises(rm.BuildError, match="moe_shared_expert_intermediate_size"):
         rm.prepare(moe)
+    small = _cfg("qwen3.5-0.8b")
+    small["text_config"]["vocab_size"] = 200  # the local tokenizer's ids would run past the embedding
+    with pytest.raises(rm.BuildError, match="vocab_size.*at least 261"):
+        rm.prepare(small)
     with pytest.raises(rm.BuildError, match="no builder for 'llama'"):
         rm.prepare({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     with pytest.raises(rm.BuildError, match="text_config"):

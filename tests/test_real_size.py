@@ -68,8 +68,9 @@ def test_disaggregated_tokens_are_vllms_own(qwen, qwen_ref, decode, first):
     """P TP 1 -> D TP 1 and D TP 2, first token sampled by either engine: prompts shorter than a block, one block, and
     two blocks and more - every token vLLM's choice."""
     block = block_size(qwen)
+    case = [QWEN_D1, QWEN_D2].index(decode) * 2 + (first == "decode")
     for n in (40, block - (first == "prefill"), 2 * block + 39):
-        prompt = document(n, n)
+        prompt = document(10_000 * case + n, n)  # each case its own prompts: no engine's prefix cache serves them
         out = gather([run_pair(qwen.routers[first], QWEN_P, decode, prompt, MAX_TOKENS)])[0]
         qwen_ref.assert_right(prompt, out, f"{n}-token prompt, {QWEN_P} -> {decode}, first token from {first}")
 
@@ -93,7 +94,7 @@ def test_prefix_hits_on_both_pools(qwen, qwen_ref):
     block = block_size(qwen)
     decode = qwen.engines[("decode", 2)]
 
-    def served(prompt):
+    def counted(prompt):
         totals = [ray.get(qwen.engines[k].transfer_totals()).cached_prompt_tokens for k in (("prefill", 1), ("decode", 2))]
         ray.get(decode.transfer_stats())
         out = gather([run_pair(qwen.routers["prefill"], QWEN_P, QWEN_D2, prompt, MAX_TOKENS)])[0]
@@ -104,10 +105,10 @@ def test_prefix_hits_on_both_pools(qwen, qwen_ref):
         return after[0] - totals[0], after[1] - totals[1], sum(r["bytes"] for r in reads)
 
     doc = document(21, 2 * block + 100)
-    served(doc)
+    counted(doc)
     suffix = document(22, 60)[1:]
-    prefill_hit, decode_hit, hit_bytes = served(doc[:2 * block] + suffix)
-    cold_hit_p, cold_hit_d, cold_bytes = served(document(23, 2 * block) + suffix)
+    prefill_hit, decode_hit, hit_bytes = counted(doc[:2 * block] + suffix)
+    cold_hit_p, cold_hit_d, cold_bytes = counted(document(23, 2 * block) + suffix)
     assert (cold_hit_p, cold_hit_d) == (0, 0)
     assert prefill_hit == 2 * block and decode_hit == 2 * block
     assert 0 < hit_bytes < cold_bytes

@@ -6,7 +6,8 @@ each prompt runs greedy on the target (the cluster's endpoint; `return_token_ids
 reference (vLLM's OpenAI server on the same model directory) is fed prompt + output as token ids with
 `prompt_logprobs` and says, position by position, how far each chosen token is below its own top choice. A right
 server's tokens are the reference's top choice or within bfloat16 noise of it (measured at the Qwen3.5-0.8B shape:
-at most 0.13 nats between batch shapes); a wrong token is typically 10-20 nats below. Tokens are compared, not text,
+up to 0.25 nats); a wrong token is typically 10-20 nats below. An output shorter than `--max-tokens` fails too (the
+target is asked to ignore EOS). Tokens are compared, not text,
 so the check sees every position, and it needs weights whose logits depend on the input (`build-model --config`
 draws them so: `real_model.informative_share`).
 
@@ -27,11 +28,17 @@ TOP = 5  # prompt_logprobs asked of the reference: its top choices, the chosen t
 
 @dataclass
 class Checked:
-    """One request: the chosen tokens and, for each, the reference's top log-probability minus the chosen token's."""
+    """One request: the chosen tokens and, for each, the reference's top log-probability minus the chosen token's;
+    `wanted`: the output length asked for (None: any)."""
 
     prompt: list[int]
     output: list[int]
     gaps: list[float]
+    wanted: int | None = None
+
+    @property
+    def short(self) -> bool:
+        return self.wanted is not None and len(self.output) != self.wanted
 
     @property
     def worst(self) -> float:
@@ -53,6 +60,8 @@ def _extra(obj: Any, name: str) -> Any:
 def reference_gaps(client, model: str, prompt: list[int], output: list[int], top: int = TOP) -> list[float]:
     """For each token of `output`, teacher-forced after `prompt` on the reference server (an `openai.OpenAI` client
     to vLLM's server): its top log-probability minus the token's, >= 0 (0: the reference's own greedy choice)."""
+    if not prompt:
+        raise ValueError("an empty prompt has no position to teacher-force from")
     if not output:
         return []
     resp = client.completions.create(model=model, prompt=list(prompt) + list(output), max_tokens=1, temperature=0.0,
@@ -91,16 +100,36 @@ def check(target, reference, model: str, prompts: list[list[int]], max_tokens: i
     """Each prompt greedy on `target`, then teacher-forced on `reference` (both `openai.OpenAI` clients)."""
     out = []
     for prompt in prompts:
-        output = greedy_tokens(target, model, prompt, max_tokens)
-        out.append(Checked(prompt, output, reference_gaps(reference, reference_model or model, prompt, output)))
+        try:
+            output = greedy_tokens(target, model, prompt, max_tokens)
+        except Exception as e:  # noqa: BLE001 - said with the role, then raised again
+            raise CheckError("target", e) from e
+        try:
+            gaps = reference_gaps(reference, reference_model or model, prompt, output)
+        except Exception as e:  # noqa: BLE001
+            raise CheckError("reference", e) from e
+        out.append(Checked(prompt, output, gaps, max_tokens))
     return out
+
+
+class CheckError(RuntimeError):
+    """A server could not be asked: which one (target or reference), its URL where known, and why."""
+
+    def __init__(self, role: str, cause: Exception):
+        url = getattr(getattr(cause, "request", None), "url", None)
+        super().__init__(f"{role}{f' ({url})' if url else ''}: {type(cause).__name__}: {cause}")
 
 
 def report(results: list[Checked], tolerance: float) -> str:
     lines = [f"{'prompt':>6} {'tokens':>6} {'output':>6} {'worst gap':>10}  verdict"]
     for i, r in enumerate(results):
         bad = r.first_over(tolerance)
-        verdict = "ok" if bad is None else f"token {bad} ({r.output[bad]}) is {r.gaps[bad]:.2f} nats below the top"
+        if r.short:
+            verdict = f"{len(r.output)} tokens, {r.wanted} asked for"
+        elif bad is not None:
+            verdict = f"token {bad} ({r.output[bad]}) is {r.gaps[bad]:.2f} nats below the top"
+        else:
+            verdict = "ok"
         lines.append(f"{i:>6} {len(r.prompt):>6} {len(r.output):>6} {r.worst:>10.3f}  {verdict}")
     return "\n".join(lines)
 
@@ -122,20 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help=f"nats (default {TOLERANCE})")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for field in ("prompts", "prompt_tokens", "max_tokens", "vocab"):
+    for field in ("prompts", "prompt_tokens", "max_tokens"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')} must be >= 1")
+    if args.vocab <= 3:
+        parser.error("--vocab must be > 3 (ids 0-2 are the specials)")
     target = openai.OpenAI(base_url=f"{args.target.rstrip('/')}/v1", api_key="EMPTY")
     reference = openai.OpenAI(base_url=f"{args.reference.rstrip('/')}/v1", api_key="EMPTY")
     prompts = random_prompts(args.prompts, args.prompt_tokens, args.vocab, args.seed)
     try:
         results = check(target, reference, args.model, prompts, args.max_tokens, args.reference_model)
-    except (openai.APIError, RuntimeError) as e:
-        url = getattr(getattr(e, "request", None), "url", None)
-        print(f"error: {f'{url}: ' if url else ''}{type(e).__name__}: {e}", file=sys.stderr)
+    except CheckError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(report(results, args.tolerance))
-    return 0 if all(r.first_over(args.tolerance) is None for r in results) else 1
+    return 0 if all(r.first_over(args.tolerance) is None and not r.short for r in results) else 1
 
 
 if __name__ == "__main__":

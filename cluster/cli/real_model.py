@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.core.hf_config import ConfigError, gdn_layer_types, load_config, model_shape, nemotron_pattern
-from cluster.cli.tiny_model import MIN_VOCAB, source_hash, staged, stamped
+from cluster.cli.tiny_model import MIN_VOCAB, source_hash, staged, stamped, tokenizer_hash
 from cluster.core.layout import dtype_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -155,6 +155,8 @@ def prepare(cfg: dict[str, Any], layers: int | None = None, vocab: int | None = 
             raise BuildError("--vocab", f"{vocab}: at least {MIN_VOCAB} (the local tokenizer's bytes, specials and think "
                              "markers)")
         text["vocab_size"] = vocab
+    elif int(text["vocab_size"]) < MIN_VOCAB:
+        raise BuildError("vocab_size", f"{text['vocab_size']}: at least {MIN_VOCAB} for the local tokenizer")
     text.setdefault("torch_dtype", "bfloat16")
     text.update({"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
     return arch, text
@@ -267,7 +269,7 @@ def _stamp(config_path: str | Path, layers: int | None, vocab: int | None, seed:
            experts: int | None) -> dict[str, Any]:
     config = json.dumps(load_config(config_path), sort_keys=True).encode()
     return {"config": hashlib.sha256(config).hexdigest()[:16], "layers": layers, "vocab": vocab, "experts": experts,
-            "seed": seed, "builder": source_hash(__name__), "tokenizer": source_hash("cluster.cli.tiny_model")}
+            "seed": seed, "builder": source_hash(__name__), "tokenizer": tokenizer_hash()}
 
 
 def ensure_real_model(name: str, root: Path = Path("models"), seed: int = 0) -> Path:

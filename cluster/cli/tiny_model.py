@@ -450,7 +450,6 @@ def sharpen(model, kind: str, generator) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-@functools.lru_cache(maxsize=4)
 def _codes(seed: int):
     import torch
 
@@ -669,6 +668,13 @@ def build_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE):
 def source_hash(module: str) -> str:
     """A hash of module `module`'s source (a builder's: its models are rebuilt when it changes)."""
     return hashlib.sha256(inspect.getsource(sys.modules[module]).encode()).hexdigest()[:16]
+
+
+def tokenizer_hash() -> str:
+    """A hash of what makes the local tokenizer (a model built with it is rebuilt when it changes)."""
+    parts = [inspect.getsource(build_tokenizer), inspect.getsource(tokenizer_corpus), CHAT_TEMPLATE, repr(THINK),
+             repr((PAD, BOS, EOS, _WORDS, _SYLLABLES))]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def builder_hash() -> str:
