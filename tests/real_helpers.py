@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from contextlib import contextmanager
 
+import pytest
 import ray
 
 from cluster.cli.oracle import TOLERANCE, Checked, reference_gaps
@@ -60,6 +61,18 @@ def real_pd(build: str, layout: list[tuple[str, int]], namespace: str, **cluster
             yield cluster, Reference(ready(), f"{build}-ref")
         finally:
             cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(served) -> PDCluster:
+    """The module's cluster: each real-size module defines `served` with `real_pd` and imports this fixture."""
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def reference(served) -> "Reference":
+    """vLLM's server on the module's build (see `pd`)."""
+    return served[1]
 
 
 class Reference:

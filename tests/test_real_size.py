@@ -16,9 +16,10 @@ from __future__ import annotations
 import pytest
 import ray
 
-from cluster.cli.oracle import TOLERANCE
+from cluster.cli.oracle import TOLERANCE, greedy_tokens
 from tests.pd_helpers import colocated, gather, run_pair
 from tests.real_helpers import MAX_TOKENS, assert_every_class_seen, block_size, corrupted_classes, document, real_pd
+from tests.real_helpers import pd, reference  # noqa: F401 - the module's fixtures, from `served`
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -37,71 +38,59 @@ def served(ray_local):
         yield both
 
 
-@pytest.fixture(scope="module")
-def qwen(served):
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def qwen_ref(served):
-    return served[1]
-
-
-def test_the_oracle_tells_a_right_token_from_a_wrong_one(qwen, qwen_ref):
+def test_the_oracle_tells_a_right_token_from_a_wrong_one(pd, reference):
     """vLLM's greedy tokens (its own server's) pass; the same output with one token replaced fails at that token, by
     far more than the tolerance - the weights are informative enough for the check to mean something."""
     prompt = document(1, 300)
-    resp = qwen_ref.client.completions.create(model=qwen_ref.name, prompt=prompt, max_tokens=MAX_TOKENS,
-                                              temperature=0.0, extra_body={"return_token_ids": True, "ignore_eos": True})
-    own = [int(t) for t in resp.choices[0].model_extra["token_ids"]]
-    qwen_ref.assert_right(prompt, own, "vLLM's own greedy output")
+    own = greedy_tokens(reference.client, reference.name, prompt, MAX_TOKENS)
+    reference.assert_right(prompt, own, "vLLM's own greedy output")
     for at in (0, 3, MAX_TOKENS - 1):
         wrong = list(own)
         wrong[at] = 3 + (own[at] + 500) % 1021
-        got = qwen_ref.check(prompt, wrong)
+        got = reference.check(prompt, wrong)
         assert got.first_over(TOLERANCE) == at and got.gaps[at] > 5.0, got.gaps
 
 
 @pytest.mark.parametrize("first", ["prefill", "decode"])
 @pytest.mark.parametrize("decode", [QWEN_D1, QWEN_D2])
-def test_disaggregated_tokens_are_vllms_own(qwen, qwen_ref, decode, first):
+def test_disaggregated_tokens_are_vllms_own(pd, reference, decode, first):
     """P TP 1 -> D TP 1 and D TP 2, first token sampled by either engine: prompts shorter than a block, one block, and
     two blocks and more - every token vLLM's choice."""
-    block = block_size(qwen)
+    block = block_size(pd)
     case = [QWEN_D1, QWEN_D2].index(decode) * 2 + (first == "decode")
     for n in (40, block - (first == "prefill"), 2 * block + 39):
         prompt = document(10_000 * case + n, n)  # each case its own prompts: no engine's prefix cache serves them
-        out = gather([run_pair(qwen.routers[first], QWEN_P, decode, prompt, MAX_TOKENS)])[0]
-        qwen_ref.assert_right(prompt, out, f"{n}-token prompt, {QWEN_P} -> {decode}, first token from {first}")
+        out = gather([run_pair(pd.routers[first], QWEN_P, decode, prompt, MAX_TOKENS)])[0]
+        reference.assert_right(prompt, out, f"{n}-token prompt, {QWEN_P} -> {decode}, first token from {first}")
 
 
-def test_colocated_tokens_are_vllms_own(qwen, qwen_ref):
+def test_colocated_tokens_are_vllms_own(pd, reference):
     prompt = document(7, 500)
-    out = gather([colocated(qwen.engines[("decode", 1)], prompt, MAX_TOKENS)])[0]
-    qwen_ref.assert_right(prompt, out, "decode TP 1 running the request whole")
+    out = gather([colocated(pd.engines[("decode", 1)], prompt, MAX_TOKENS)])[0]
+    reference.assert_right(prompt, out, "decode TP 1 running the request whole")
 
 
-def test_the_oracle_sees_each_byte_class_of_the_transfer(qwen, qwen_ref):
+def test_the_oracle_sees_each_byte_class_of_the_transfer(pd, reference):
     """P TP 1 -> D TP 2 (each decode rank reads half of the prefill rank's GDN heads, conv channels and KV heads): a
     700-token prompt (a whole block and part of the next) with each byte class overwritten after the read lands."""
-    assert_every_class_seen(corrupted_classes(qwen, qwen_ref, QWEN_P, ("decode", 2), 700, 200))
+    assert_every_class_seen(corrupted_classes(pd, reference, QWEN_P, ("decode", 2), 700, 200))
 
 
-def test_prefix_hits_on_both_pools(qwen, qwen_ref):
+def test_prefix_hits_on_both_pools(pd, reference):
     """Prefill TP 1 and decode TP 2 both cache: a prompt that shares two whole blocks with one served before is
     prefilled from the prefill engine's cache, and the decode engine finds those blocks in its own and reads only the
     rest plus the state - fewer bytes than a prompt of the same length cold - with vLLM's tokens."""
-    block = block_size(qwen)
-    decode = qwen.engines[("decode", 2)]
+    block = block_size(pd)
+    decode = pd.engines[("decode", 2)]
 
     def counted(prompt):
-        totals = [ray.get(qwen.engines[k].transfer_totals()).cached_prompt_tokens for k in (("prefill", 1), ("decode", 2))]
+        totals = [ray.get(pd.engines[k].transfer_totals()).cached_prompt_tokens for k in (("prefill", 1), ("decode", 2))]
         ray.get(decode.transfer_stats())
-        out = gather([run_pair(qwen.routers["prefill"], QWEN_P, QWEN_D2, prompt, MAX_TOKENS)])[0]
+        out = gather([run_pair(pd.routers["prefill"], QWEN_P, QWEN_D2, prompt, MAX_TOKENS)])[0]
         reads = ray.get(decode.transfer_stats())
-        after = [ray.get(qwen.engines[k].transfer_totals()).cached_prompt_tokens for k in (("prefill", 1), ("decode", 2))]
+        after = [ray.get(pd.engines[k].transfer_totals()).cached_prompt_tokens for k in (("prefill", 1), ("decode", 2))]
         assert reads and all(r["ok"] for r in reads)
-        qwen_ref.assert_right(prompt, out, f"{len(prompt)}-token prompt")
+        reference.assert_right(prompt, out, f"{len(prompt)}-token prompt")
         return after[0] - totals[0], after[1] - totals[1], sum(r["bytes"] for r in reads)
 
     doc = document(21, 2 * block + 100)

@@ -10,6 +10,7 @@ import pytest
 
 from tests.pd_helpers import gather, run_pair
 from tests.real_helpers import MAX_TOKENS, assert_every_class_seen, block_size, corrupted_classes, document, real_pd
+from tests.real_helpers import pd, reference  # noqa: F401 - the module's fixtures, from `served`
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -20,16 +21,6 @@ PREFILL, DECODE = "prefill-tp2", "decode-tp1"
 def served(ray_local):
     with real_pd("nemotron-h-8l", [("prefill", 2), ("decode", 1)], "real-nemotron") as both:
         yield both
-
-
-@pytest.fixture(scope="module")
-def pd(served):
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def reference(served):
-    return served[1]
 
 
 @pytest.mark.parametrize("first", ["prefill", "decode"])

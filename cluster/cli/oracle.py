@@ -7,9 +7,8 @@ reference (vLLM's OpenAI server on the same model directory) is fed prompt + out
 `prompt_logprobs` and says, position by position, how far each chosen token is below its own top choice. A right
 server's tokens are the reference's top choice or within bfloat16 noise of it (measured at the Qwen3.5-0.8B shape:
 up to 0.25 nats); a wrong token is typically 10-20 nats below. An output shorter than `--max-tokens` fails too (the
-target is asked to ignore EOS). Tokens are compared, not text,
-so the check sees every position, and it needs weights whose logits depend on the input (`build-model --config`
-draws them so: `real_model.informative_share`).
+target is asked to ignore EOS). Tokens are compared, not text, so the check sees every position, and it needs
+weights whose logits depend on the input (`build-model --config` draws them so: `real_model.informative_share`).
 
 Exit status 0 when every chosen token is within `--tolerance` of the reference's top choice, 1 otherwise, 2 when a
 server cannot be asked (named in the error)."""

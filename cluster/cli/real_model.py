@@ -151,12 +151,10 @@ def prepare(cfg: dict[str, Any], layers: int | None = None, vocab: int | None = 
             raise BuildError("--experts", f"{experts}: fewer than the {text['num_experts_per_tok']} active per token")
         text[field] = experts
     if vocab is not None:
-        if vocab < MIN_VOCAB:
-            raise BuildError("--vocab", f"{vocab}: at least {MIN_VOCAB} (the local tokenizer's bytes, specials and think "
-                             "markers)")
         text["vocab_size"] = vocab
-    elif int(text["vocab_size"]) < MIN_VOCAB:
-        raise BuildError("vocab_size", f"{text['vocab_size']}: at least {MIN_VOCAB} for the local tokenizer")
+    if int(text["vocab_size"]) < MIN_VOCAB:  # named as the user gave it: the option, or the config's field
+        raise BuildError("--vocab" if vocab is not None else "vocab_size", f"{text['vocab_size']}: at least "
+                         f"{MIN_VOCAB} (the local tokenizer's bytes, specials and think markers)")
     text.setdefault("torch_dtype", "bfloat16")
     text.update({"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
     return arch, text
