@@ -116,7 +116,7 @@ def test_a_built_model_loads_with_its_real_classes_and_its_logits_are_informativ
 
 def test_the_builds_model_builtin_names_are_the_builders():
     names = set(ModelConfig.model_fields["builtin"].annotation.__args__[0].__args__)
-    assert set(rm.BUILT) <= names
+    assert set(rm.BUILT) <= names and set(rm.BUILTIN_NAMES) == names  # the benchmarks' --model choices too
     for name, (config, layers, vocab, experts) in rm.BUILT.items():
         rm.prepare(load_config(MODELS / config), layers, vocab, experts)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.core.hf_config import ConfigError, gdn_layer_types, load_config, model_shape, nemotron_pattern
-from cluster.cli.tiny_model import MIN_VOCAB, source_hash, staged, stamped, tokenizer_hash
+from cluster.cli.tiny_model import BENCH_KINDS, KINDS, MIN_VOCAB, source_hash, staged, stamped, tokenizer_hash
 from cluster.core.layout import dtype_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +66,7 @@ BUILT = {
     "qwen3.5-0.8b": ("qwen3.5-0.8b.json", None, 1024, None),
     "nemotron-h-8l": ("nemotron-h-8b.json", 8, 1024, None),  # M-M-M-M*: 4 Mamba2, 3 MLP, 1 attention
 }
+BUILTIN_NAMES = (*KINDS, *BENCH_KINDS, *BUILT)  # every name `builtin_model` (and `model.builtin`) builds
 EXPERTS_FIELD = {"qwen3_5_moe_text": "num_experts", "qwen3_next": "num_experts", "nemotron_h": "n_routed_experts"}
 
 

@@ -1,10 +1,11 @@
 """`python -m cluster bench {e2e,prefix,transfer,scale}` (and load, serve, faults, soak): each measures its candidates side by side in one run and prints
 ratios (these machines are shared and noisy). Results go to results/bench_<name>.json and a PNG plot next to it.
 
-- e2e: the tiny hybrid model served colocated (the decode engine alone runs the whole request) and disaggregated
-  (prefill engine -> NIXL -> decode engine) on the same prompts: one request at a time for time to first token,
-  inter-token latency and the transfer's share of TTFT, then the same request stream `--concurrency` at a time for
-  throughput; bytes and descriptors per request; the engines' peak resident memory.
+- e2e: a builtin model (`--model`: tiny, or a real-size build such as qwen3.5-0.8b) served colocated (the decode
+  engine alone runs the whole request) and disaggregated (prefill engine -> NIXL -> decode engine) on the same
+  prompts, at each `--prompt-tokens` length: one request at a time for time to first token, inter-token latency, the
+  transfer's time and share of TTFT and its ratio to one thread copying the same bytes, then the same request stream
+  `--concurrency` at a time for throughput; bytes and descriptors per request; the engines' peak resident memory.
 - prefix: prefix caching in P/D - a request whose prompt shares a prefix with the one before (cached on both
   engines) against one that shares nothing: TTFT, bytes the decode engine reads, tokens each engine found cached.
 - transfer: real NIXL READs between two Ray actors of a request's full hybrid state laid out as the planner lays it out
@@ -59,58 +60,84 @@ async def _pair(model_dir, p_tp: int, d_tp: int, engine_kwargs: dict | None = No
         coord.kill()
 
 
-async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_len: int, reps: int, max_tokens: int, concurrency: int = 8) -> dict:
-    async with _pair(model_dir, p_tp, d_tp) as (P, D, router, startup):
-        rng = random.Random(1)
-        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-        colo, disagg, transfers = [], [], []
-        peak = 0
-        for i in range(reps + 1):  # the first round warms both paths and is not counted
-            prompt = [1] + [rng.randrange(3, 1024) for _ in range(prompt_len - 1)]
-            c = await _ttft(lambda: _stream(D, prompt, dict(sampling), f"colo-{i}"))
-            await D.transfer_stats()
-            d = await _ttft(lambda: router.generate(prompt, dict(sampling)))
-            stats = await D.transfer_stats()
-            peak = max(peak, sum(await asyncio.gather(P.rss_bytes(), D.rss_bytes())))
-            if i:
-                colo.append(c)
-                disagg.append(d)
-                transfers.append(stats)
-        # the same request stream at `concurrency` in flight: output tokens per second, colocated vs disaggregated
-        stream = [[1] + [rng.randrange(3, 1024) for _ in range(prompt_len - 1)] for _ in range(concurrency * 2)]
+async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_lens: list[int], reps: int, max_tokens: int,
+                      concurrency: int = 8) -> list[dict]:
+    """One prefill and one decode engine; per prompt length a row (engines started once per pair)."""
+    # the engines' context as long as the longest request (the engines' default is 2,048 tokens)
+    longest = {"max_model_len": max(2048, max(prompt_lens) + max_tokens)}
+    async with _pair(model_dir, p_tp, d_tp, longest) as (P, D, router, startup):
+        rows = []
+        for prompt_len in prompt_lens:
+            print(f"  {prompt_len}-token prompts ...", flush=True)
+            rows.append(await _measure_pair(P, D, router, startup, p_tp, d_tp, prompt_len, reps, max_tokens,
+                                            concurrency))
+            print(json.dumps(rows[-1]), flush=True)
+        return rows
 
-        async def drain(gen) -> int:
-            return sum([len(item["token_ids"]) async for item in gen])
 
-        async def phase(make) -> float:
-            t0 = time.perf_counter()
-            tokens = sum(await asyncio.gather(*(drain(make(i, p)) for i, p in enumerate(stream))))
-            return tokens / (time.perf_counter() - t0)
+async def _measure_pair(P, D, router, startup, p_tp: int, d_tp: int, prompt_len: int, reps: int, max_tokens: int,
+                        concurrency: int) -> dict:
+    from cluster.cli.bench.transfer_side import memcpy_seconds
 
-        tput_colo = await phase(lambda i, p: _stream(D, p, dict(sampling), f"tput-colo-{i}"))
-        tput_disagg = await phase(lambda i, p: router.generate(p, dict(sampling)))
+    rng = random.Random(1)
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    colo, disagg, transfers = [], [], []
+    peak = 0
+    for i in range(reps + 1):  # the first round warms both paths and is not counted
+        prompt = [1] + [rng.randrange(3, 1024) for _ in range(prompt_len - 1)]
+        c = await _ttft(lambda: _stream(D, prompt, dict(sampling), f"colo-{i}"))
         await D.transfer_stats()
-        t_ms = [max((s["ms"] for s in st), default=0.0) for st in transfers]
-        return {
-            "throughput_colocated_tok_s": round(tput_colo, 1),
-            "throughput_disaggregated_tok_s": round(tput_disagg, 1),
-            "concurrency": concurrency,
-            "prefill_tp": p_tp,
-            "decode_tp": d_tp,
-            "prompt_tokens": prompt_len,
-            "engine_startup_s": [round(x, 1) for x in startup],
-            "ttft_colocated_ms": round(statistics.median(x[0] for x in colo) * 1e3, 1),
-            "ttft_disaggregated_ms": round(statistics.median(x[0] for x in disagg) * 1e3, 1),
-            "transfer_ms": round(statistics.median(t_ms), 2),
-            "transfer_share_of_ttft": round(statistics.median(t_ms) / (statistics.median(x[0] for x in disagg) * 1e3), 3),
-            "itl_colocated_ms": round(statistics.median((x[1] - x[0]) / max(1, x[2] - 1) for x in colo) * 1e3, 2),
-            "itl_disaggregated_ms": round(statistics.median((x[1] - x[0]) / max(1, x[2] - 1) for x in disagg) * 1e3, 2),
-            "bytes_per_request": sum(s["bytes"] for s in transfers[-1]),
-            "descriptors_per_request": sum(s["descriptors"] for s in transfers[-1]),
-            "descriptors_uncoalesced": sum(s["descriptors_uncoalesced"] for s in transfers[-1]),
-            "plan_us_per_rank": round(statistics.median(s["plan_us"] for st in transfers for s in st), 1),
-            "peak_rss_gib": round(peak / 2**30, 2),
-        }
+        d = await _ttft(lambda: router.generate(prompt, dict(sampling)))
+        stats = await D.transfer_stats()
+        peak = max(peak, sum(await asyncio.gather(P.rss_bytes(), D.rss_bytes())))
+        if i:
+            colo.append(c)
+            disagg.append(d)
+            transfers.append(stats)
+    # the same request stream at `concurrency` in flight: output tokens per second, colocated vs disaggregated
+    stream = [[1] + [rng.randrange(3, 1024) for _ in range(prompt_len - 1)] for _ in range(concurrency * 2)]
+
+    async def drain(gen) -> int:
+        return sum([len(item["token_ids"]) async for item in gen])
+
+    async def phase(make) -> float:
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(drain(make(i, p)) for i, p in enumerate(stream))))
+        return tokens / (time.perf_counter() - t0)
+
+    tput_colo = tput_disagg = None
+    if concurrency:
+        tput_colo = round(await phase(lambda i, p: _stream(D, p, dict(sampling), f"tput-colo-{i}")), 1)
+        tput_disagg = round(await phase(lambda i, p: router.generate(p, dict(sampling))), 1)
+    await D.transfer_stats()
+    # a read's time: from its post to the decode engine seeing it done (max over the decode ranks, which read in
+    # parallel), against one thread copying the same bytes in this process - the ceiling on one host
+    t_ms = [max((s["ms"] for s in st), default=0.0) for st in transfers]
+    nbytes = sum(s["bytes"] for s in transfers[-1])
+    memcpy_ms = memcpy_seconds(nbytes) * 1e3
+    return {
+        "throughput_colocated_tok_s": tput_colo,
+        "throughput_disaggregated_tok_s": tput_disagg,
+        "concurrency": concurrency,
+        "prefill_tp": p_tp,
+        "decode_tp": d_tp,
+        "prompt_tokens": prompt_len,
+        "engine_startup_s": [round(x, 1) for x in startup],
+        "ttft_colocated_ms": round(statistics.median(x[0] for x in colo) * 1e3, 1),
+        "ttft_disaggregated_ms": round(statistics.median(x[0] for x in disagg) * 1e3, 1),
+        "transfer_ms": round(statistics.median(t_ms), 2),
+        "transfer_share_of_ttft": round(statistics.median(t_ms) / (statistics.median(x[0] for x in disagg) * 1e3), 3),
+        "transfer_gbps": round(nbytes / statistics.median(t_ms) / 1e6, 2) if statistics.median(t_ms) else None,
+        "memcpy_ms": round(memcpy_ms, 2),
+        "transfer_over_memcpy": round(memcpy_ms / statistics.median(t_ms), 3) if statistics.median(t_ms) else None,
+        "itl_colocated_ms": round(statistics.median((x[1] - x[0]) / max(1, x[2] - 1) for x in colo) * 1e3, 2),
+        "itl_disaggregated_ms": round(statistics.median((x[1] - x[0]) / max(1, x[2] - 1) for x in disagg) * 1e3, 2),
+        "bytes_per_request": nbytes,
+        "descriptors_per_request": sum(s["descriptors"] for s in transfers[-1]),
+        "descriptors_uncoalesced": sum(s["descriptors_uncoalesced"] for s in transfers[-1]),
+        "plan_us_per_rank": round(statistics.median(s["plan_us"] for st in transfers for s in st), 1),
+        "peak_rss_gib": round(peak / 2**30, 2),
+    }
 
 
 async def _bench_prefix(model_dir, p_tp: int, d_tp: int, prefix_len: int, suffix_len: int, reps: int,
@@ -438,15 +465,19 @@ def _pairs(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cluster.cli.real_model import BUILTIN_NAMES
+
     ap = argparse.ArgumentParser(prog="python -m cluster bench")
     sub = ap.add_subparsers(dest="which", required=True)
     e = sub.add_parser("e2e", help="colocated vs disaggregated serving of the tiny model")
     e.add_argument("--pairs", default="1x2", help="prefill x decode TP pairs (default 1x2)")
-    e.add_argument("--prompt-tokens", type=int, default=700)
+    e.add_argument("--prompt-tokens", default="700", help="prompt lengths, comma separated (default 700)")
     e.add_argument("--reps", type=int, default=5)
     e.add_argument("--max-tokens", type=int, default=16)
-    e.add_argument("--concurrency", type=int, default=8, help="requests in flight in the throughput phase")
-    e.add_argument("--model", default="gdn")
+    e.add_argument("--concurrency", type=int, default=8, help="requests in flight in the throughput phase "
+                   "(0: skip it)")
+    e.add_argument("--model", default="gdn", choices=BUILTIN_NAMES, help="a builtin model, tiny or real-size "
+                   "(qwen3.5-0.8b: real-size state per request; default gdn)")
     t = sub.add_parser("transfer", help="NIXL READs of a request's full hybrid state vs a memcpy of the same bytes")
     t.add_argument("--models", default="qwen3.5-0.8b,qwen3.5-35b-a3b", help=f"from {', '.join(MODELS)}")
     t.add_argument("--pairs", default="1x1,1x2,2x1", help="prefill x decode TP pairs")
@@ -458,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     pf.add_argument("--suffix-tokens", type=int, default=64, help="what differs (a question)")
     pf.add_argument("--reps", type=int, default=8)
     pf.add_argument("--max-tokens", type=int, default=8)
-    pf.add_argument("--model", default="gdn")
+    pf.add_argument("--model", default="gdn", choices=BUILTIN_NAMES)
     c = sub.add_parser("scale", help="coordinator negotiation cost for up to 64 x 64 engines vs pairwise handshakes")
     c.add_argument("--sizes", default="1,2,4,8,16,32,64")
     lo = sub.add_parser("load", help="concurrent streamed clients against the HTTP service; lost/malformed, p50/p99")
@@ -519,9 +550,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = bench_transfer(args.models.split(","), _pairs(args.pairs), [int(x) for x in args.tokens.split(",")], args.reps)
             write_results("transfer", rows, out_dir)
             return 0
-        from cluster.cli.tiny_model import ensure_model
+        from cluster.cli.real_model import builtin_model
 
-        model_dir = ensure_model(args.model)
+        model_dir = builtin_model(args.model)
         rows = []
         if args.which == "prefix":
             for p, d in _pairs(args.pairs):
@@ -533,12 +564,13 @@ def main(argv: list[str] | None = None) -> int:
             write_results("prefix", rows, out_dir)
             return 0
         for p, d in _pairs(args.pairs):
-            print(f"bench e2e: prefill TP {p} -> decode TP {d} ...", flush=True)
-            rows.append(asyncio.run(_bench_pair(model_dir, p, d, args.prompt_tokens, args.reps, args.max_tokens, args.concurrency)))
-            print(json.dumps(rows[-1]), flush=True)
+            print(f"bench e2e: {args.model}, prefill TP {p} -> decode TP {d} ...", flush=True)
+            rows += asyncio.run(_bench_pair(model_dir, p, d, [int(n) for n in args.prompt_tokens.split(",")], args.reps,
+                                            args.max_tokens, args.concurrency))
     finally:
         ray.shutdown()
-    keys = ["prefill_tp", "decode_tp", "ttft_colocated_ms", "ttft_disaggregated_ms", "transfer_ms", "transfer_share_of_ttft",
+    keys = ["prefill_tp", "decode_tp", "prompt_tokens", "ttft_colocated_ms", "ttft_disaggregated_ms", "transfer_ms",
+            "transfer_share_of_ttft", "transfer_gbps", "memcpy_ms", "transfer_over_memcpy",
             "itl_colocated_ms", "itl_disaggregated_ms", "throughput_colocated_tok_s", "throughput_disaggregated_tok_s",
             "bytes_per_request", "descriptors_per_request", "peak_rss_gib"]
     _table(rows, keys)

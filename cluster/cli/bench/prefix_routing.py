@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from cluster.cli.bench.targets import REPO
-from cluster.cli.tiny_model import BENCH_KINDS, KINDS
+from cluster.cli.real_model import BUILTIN_NAMES
 
 KNOWN_TARGETS = ("cache", "load", "vllm")
 CLUSTER_TARGETS = {"cache": "cache", "load": "load"}  # target -> routing.policy
@@ -1097,9 +1097,10 @@ def _workloads(text: str) -> list[str]:
 def add_args(p: Any) -> None:
     p.add_argument("--deploy", default=str(REPO / "deploy.yaml"), help="the deploy file the bench's cluster is built "
                    "from (default: the repository's deploy.yaml); its model is every target's model")
-    p.add_argument("--model", choices=(*KINDS, *BENCH_KINDS), default=None, help="a builtin model instead of the "
-                   "deploy file's: gdn-wide (~10x gdn's compute per token, the same block size) makes prefill most of a "
-                   "request's time, as on a real model, where the tiny gdn spends it elsewhere")
+    p.add_argument("--model", choices=BUILTIN_NAMES, default=None, help="a builtin model instead of the deploy "
+                   "file's: gdn-wide (~10x gdn's compute per token, the same block size) makes prefill most of a "
+                   "request's time, as on a real model, where the tiny gdn spends it elsewhere; qwen3.5-0.8b is the "
+                   "real architecture at its size (640-token blocks)")
     p.add_argument("--targets", default=DEFAULT_TARGETS, help=f"comma separated, from {', '.join(KNOWN_TARGETS)} "
                    f"(default {DEFAULT_TARGETS})")
     p.add_argument("--workloads", type=_workloads, default=list(KNOWN_WORKLOADS),

@@ -135,31 +135,35 @@ class TransferSide:
                 m[:] = 0
 
     def memcpy(self, nbytes: int, threads: int = 1, reps: int = 3) -> float:
-        """Best seconds of one contiguous copy of `nbytes` in this process (the transfer's ceiling), by `threads`
-        threads each copying an equal slice (numpy releases the GIL while it copies)."""
-        src = np.ones(nbytes, np.uint8)
-        dst = np.empty(nbytes, np.uint8)
-        cuts = [nbytes * i // threads for i in range(threads + 1)]
+        """`memcpy_seconds` in this actor's process."""
+        return memcpy_seconds(nbytes, threads, reps)
 
-        def part(i: int) -> None:
-            np.copyto(dst[cuts[i]:cuts[i + 1]], src[cuts[i]:cuts[i + 1]])
 
-        best = float("inf")
-        for _ in range(reps):
-            start = threading.Barrier(threads)  # the clock starts when every thread is ready to copy
+def memcpy_seconds(nbytes: int, threads: int = 1, reps: int = 3) -> float:
+    """Best seconds of one contiguous copy of `nbytes` in this process (the transfer's ceiling), by `threads`
+    threads each copying an equal slice (numpy releases the GIL while it copies)."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty(nbytes, np.uint8)
+    cuts = [nbytes * i // threads for i in range(threads + 1)]
 
-            def worker(i: int) -> None:
-                start.wait()
-                part(i)
+    def part(i: int) -> None:
+        np.copyto(dst[cuts[i]:cuts[i + 1]], src[cuts[i]:cuts[i + 1]])
 
-            workers = [threading.Thread(target=worker, args=(i,)) for i in range(1, threads)]
-            for w in workers:
-                w.start()
+    best = float("inf")
+    for _ in range(reps):
+        start = threading.Barrier(threads)  # the clock starts when every thread is ready to copy
+
+        def worker(i: int) -> None:
             start.wait()
-            t0 = time.perf_counter()
-            part(0)
-            for w in workers:
-                w.join()
-            best = min(best, time.perf_counter() - t0)
-        return best
+            part(i)
 
+        workers = [threading.Thread(target=worker, args=(i,)) for i in range(1, threads)]
+        for w in workers:
+            w.start()
+        start.wait()
+        t0 = time.perf_counter()
+        part(0)
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - t0)
+    return best
