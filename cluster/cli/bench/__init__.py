@@ -110,7 +110,7 @@ async def _measure_pair(P, D, router, startup, p_tp: int, d_tp: int, prompt_len:
         tput_colo = round(await phase(lambda i, p: _stream(D, p, dict(sampling), f"tput-colo-{i}")), 1)
         tput_disagg = round(await phase(lambda i, p: router.generate(p, dict(sampling))), 1)
     await D.transfer_stats()
-    # a read's time: from its post to the decode engine seeing it done (max over the decode ranks, which read in
+    # a read's time: from planning it to the decode engine seeing it done (max over the decode ranks, which read in
     # parallel), against one thread copying the same bytes in this process - the ceiling on one host
     t_ms = [max((s["ms"] for s in st), default=0.0) for st in transfers]
     nbytes = sum(s["bytes"] for s in transfers[-1])
@@ -126,7 +126,7 @@ async def _measure_pair(P, D, router, startup, p_tp: int, d_tp: int, prompt_len:
         "ttft_colocated_ms": round(statistics.median(x[0] for x in colo) * 1e3, 1),
         "ttft_disaggregated_ms": round(statistics.median(x[0] for x in disagg) * 1e3, 1),
         "transfer_ms": round(statistics.median(t_ms), 2),
-        "transfer_share_of_ttft": round(statistics.median(t_ms) / (statistics.median(x[0] for x in disagg) * 1e3), 3),
+        "transfer_share_of_ttft": round(statistics.median(t_ms) / (statistics.median(x[0] for x in disagg) * 1e3), 5),
         "transfer_gbps": round(nbytes / statistics.median(t_ms) / 1e6, 2) if statistics.median(t_ms) else None,
         "memcpy_ms": round(memcpy_ms, 2),
         "transfer_over_memcpy": round(memcpy_ms / statistics.median(t_ms), 3) if statistics.median(t_ms) else None,
