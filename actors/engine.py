@@ -58,7 +58,8 @@ from actors.engine_prefix import EnginePrefixes
 from actors.engine_progress import ProgressWatch, stall_rule
 from actors.engine_procs import EngineProcesses, LiveEngine, end_processes, sweep_dead_engines, sweep_nodes
 from actors.engine_serving import EngineServing, _ranked
-from actors.engine_settings import compile_cache_env, in_process_env, in_process_model, launch_env, vllm_engine_args
+from actors.engine_settings import (DEFAULT_MAX_MODEL_LEN, compile_cache_env, in_process_env, in_process_model, launch_env,
+                                    vllm_engine_args)
 from actors.engine_verify import EngineVerify
 from actors.engine_warmup import WarmupReport, warm_up
 from cluster.core.metrics import TransferTotals
@@ -82,7 +83,7 @@ class EngineActor:
         model_dir: str,
         tp: int = 1,
         *,
-        max_model_len: int = 2048,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         dtype: str = "bfloat16",
         kv_transfer_config: dict[str, Any] | None = None,
         engine_kwargs: dict[str, Any] | None = None,

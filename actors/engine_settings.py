@@ -16,6 +16,7 @@ from typing import Any
 from cluster.core.cores import shared_bind
 
 CONNECTOR_MODULE = "actors.connector"
+DEFAULT_MAX_MODEL_LEN = 2048  # an engine's context when nothing sets one (deploy.yaml's model.max_model_len default)
 COMPILE_CACHE_ENV = "PD_COMPILE_CACHE_DIR"  # where every engine's compile caches live (`compile_cache_env`)
 
 
@@ -36,7 +37,7 @@ def pd_kv_transfer_config(role: str, engine_id: str, device: str = "cpu") -> dic
     }
 
 
-def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = 2048, dtype: str = "bfloat16",
+def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN, dtype: str = "bfloat16",
                      kv_transfer_config: dict[str, Any] | None = None, engine_kwargs: dict[str, Any] | None = None,
                      role: str | None = None, engine_id: str = "engine", device: str = "cpu") -> dict[str, Any]:
     """vLLM's engine arguments for one engine: with a role, the project's connector (`pd_kv_transfer_config`) and

@@ -530,3 +530,10 @@ def test_chat_options_reach_vllms_front_end_arguments_and_bad_ones_are_refused(t
         load_deploy(write(tmp_path, {"chat": {"enable_auto_tool_choice": True}}))
     with pytest.raises(DeployError, match="chat.tool_strict_level"):
         load_deploy(write(tmp_path, {"chat": {"tool_strict_level": "always"}}))
+
+
+def test_the_deploy_files_context_default_is_the_engines():
+    """model.max_model_len's default (cluster/core may not import actors/) is the engines' own default."""
+    from actors.engine_settings import DEFAULT_MAX_MODEL_LEN
+
+    assert DeployConfig.model_validate({}).model.max_model_len == DEFAULT_MAX_MODEL_LEN

@@ -63,8 +63,10 @@ async def _pair(model_dir, p_tp: int, d_tp: int, engine_kwargs: dict | None = No
 async def _bench_pair(model_dir, p_tp: int, d_tp: int, prompt_lens: list[int], reps: int, max_tokens: int,
                       concurrency: int = 8) -> list[dict]:
     """One prefill and one decode engine; per prompt length a row (engines started once per pair)."""
-    # the engines' context as long as the longest request (the engines' default is 2,048 tokens)
-    longest = {"max_model_len": max(2048, max(prompt_lens) + max_tokens)}
+    from actors.engine_settings import DEFAULT_MAX_MODEL_LEN
+
+    # the engines' context as long as the longest request, never shorter than their default
+    longest = {"max_model_len": max(DEFAULT_MAX_MODEL_LEN, max(prompt_lens) + max_tokens)}
     async with _pair(model_dir, p_tp, d_tp, longest) as (P, D, router, startup):
         rows = []
         for prompt_len in prompt_lens:
@@ -469,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m cluster bench")
     sub = ap.add_subparsers(dest="which", required=True)
-    e = sub.add_parser("e2e", help="colocated vs disaggregated serving of the tiny model")
+    e = sub.add_parser("e2e", help="colocated vs disaggregated serving of a builtin model: TTFT, ITL, the transfer "
+                       "against memcpy")
     e.add_argument("--pairs", default="1x2", help="prefill x decode TP pairs (default 1x2)")
     e.add_argument("--prompt-tokens", default="700", help="prompt lengths, comma separated (default 700)")
     e.add_argument("--reps", type=int, default=5)
