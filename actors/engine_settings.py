@@ -52,7 +52,7 @@ def vllm_engine_args(model_dir: str, tp: int, *, max_model_len: int = DEFAULT_MA
         tensor_parallel_size=tp,
         dtype=dtype,  # Qwen3-Next on CPU: the GDN kernel asserts "CPU GDN attention requires BF16."
         max_model_len=max_model_len,
-        enable_prefix_caching=False,  # off unless asked: the deploy config turns it on (`cluster.cli.launch.prefix_caching`)
+        enable_prefix_caching=False,  # off unless asked: the deploy config turns it on (`cluster.cli.placement.prefix_caching`)
         # TP 1 on CPU: the model in the EngineCore process (`in_process_model`); otherwise a process per rank ("ray"
         # fails on CPU and would be auto-picked inside placement groups)
         distributed_executor_backend="uni" if in_process_model(tp, device) else "mp",

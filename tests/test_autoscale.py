@@ -1,12 +1,14 @@
 """Prefill and decode pools autoscaling independently under real load on loopback (Ray Serve pools, real engines,
 HTTP through the official `openai` client).
 
-One cluster for the module: prefill TP 1 and decode TP 2, each pool 1..2 engines. A prompt-heavy load (long prompts,
-2 tokens each) grows the prefill pool and leaves the decode pool alone; a decode-heavy load (short prompts, long
-answers) grows the decode pool and leaves the prefill pool alone; each shrinks back when its load goes. The decode
-pool shrinks while requests are still decoding on the engine that leaves. Every response is compared with the
-colocated engine's answer for the same prompt (itself checked against the rule the tiny model's weights implement),
-and every process of every engine that ever ran is gone at the end.
+One cluster for the module: prefill and decode at TP 1, each pool 1..2 engines (differing TP sizes are the disagg
+modules' subject; here a TP 2 decode engine took 142-235 s to load beside the load that grew its pool, a TP 1 engine
+36 s: half the processes, each importing vLLM). A prompt-heavy load (long prompts, 2 tokens each) grows the prefill
+pool and leaves the decode pool alone; a decode-heavy load (short prompts, long answers) grows the decode pool and
+leaves the prefill pool alone; each shrinks back when its load goes. The decode pool shrinks while requests are still
+decoding on the engine that leaves. Every response is compared with the colocated engine's answer for the same prompt
+(itself checked against the rule the tiny model's weights implement), and every process of every engine that ever ran
+is gone at the end.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tests.pd_helpers import oracle, until
 
 pytestmark = pytest.mark.engine
 MODEL = "tiny-hybrid"
-DECODE_TP = 2
+DECODE_TP = 1
 # request kinds: (number of prompts, prompt length, max_tokens)
 KINDS = {"long": (4, 1800, 2), "short": (6, 24, 48), "tail": (4, 24, 300)}
 
@@ -46,7 +48,7 @@ def scaled(ray_local, gdn_model):
         "model": {"path": str(gdn_model), "name": MODEL},
         # the loads repeat a fixed set of prompts: with prefix caching the prefill engines would answer them from
         # their caches and the prompt-heavy load would not load them (tests/test_prefix_caching.py covers caching)
-        # up to 2 + 2 engines (decode at TP 2) on 2 cores: they share them (test_cores_live.py owns cores)
+        # up to 2 + 2 engines on 2 cores: they share them (default_layout/test_own_cores.py owns cores)
         "prefill": {"tp": 1, "min_replicas": 1, "max_replicas": 2, "enable_prefix_caching": False, "share_cores": True,
                     "scaling": {**fast, "target_queued_prompt_tokens": 3000}},
         # decode waits longer to shrink: the countdown starts when test_decode_pool_grows_alone's load stops, and

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli.bench.prefix_routing import (
-    BlockPool, MultiTurn, Turn, add_args, bench_cores, check_multi_turn, check_prefix_workload, check_targets,
-    client_argv, client_row, cores_said, counters, default_kv_cache_gib, deploy_for_prefix_bench, fill_unavoidable,
-    metric_sum, multi_turn_summary, percentile, prompt_token_use, routes_said, turn_table, unavoidable_tokens,
-    vllm_lines)
+from cluster.cli.bench.multi_turn import (BlockPool, MultiTurn, Turn, check_multi_turn, check_prefix_workload,
+                                          client_argv, client_row, counters, fill_unavoidable, metric_sum,
+                                          prompt_token_use, routes_said, unavoidable_tokens)
+from cluster.cli.bench.prefix_report import check_targets, multi_turn_summary, percentile, turn_table, vllm_lines
+from cluster.cli.bench.prefix_routing import (add_args, bench_cores, cores_said, default_kv_cache_gib,
+                                              deploy_for_prefix_bench)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,6 @@
 """`bench soak`: its bookkeeping without engines - the fault schedule, how each request's outcome is counted (a request
 broken by a front-end kill apart from a failed one), burst and n-too-large answers, idle baselines of engines that
-joined during the soak, the verdict - and (marked engine) one tiny live soak: a decode engine and a front end
-SIGKILLed and an n-too-large request, with nothing failed and nothing left behind."""
+joined during the soak, the verdict. (The live soak, on a running cluster, is test_frontend_replicas.py's last test.)"""
 
 from __future__ import annotations
 
@@ -210,38 +209,3 @@ def test_a_killed_engine_replaced_under_its_own_id_counts_as_replaced():
     assert check() is None  # noticed, nothing ready
     ready["prefill"] = ["prefill-0"]
     assert check().startswith("noticed after") and "replaced by prefill-0" in check()
-
-
-# ---- live --------------------------------------------------------------------------------------------------------------
-@pytest.mark.engine
-def test_live_soak_a_decode_engine_and_a_front_end_killed_nothing_failed_nothing_left(ray_local, gdn_model, tmp_path):
-    """75 s of 4 streaming clients on deploy.yaml's cluster with 2 front ends: a decode engine SIGKILLed at 20 s
-    (its pool replaces it), a front end at 40 s (Ray restarts it), an n-too-large request at 60 s."""
-    import socket
-
-    from cluster.cli.bench.soak import run_soak
-    from cluster.core.config import load_deploy
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = argparse.ArgumentParser()
-    add_args(p)
-    args = p.parse_args(["--minutes", "1.25", "--fault-every", "20", "--faults", "kill-decode,kill-frontend,n-too-large",
-                         "--clients", "4", "--settle", "150", "--out-dir", str(tmp_path)])
-    base = load_deploy("deploy.yaml")
-    cfg = soak_config(base.model_validate({**base.model_dump(), "model": {**base.model.model_dump(), "builtin": None,
-                                                                          "path": str(gdn_model)}}), 2, port)
-    report = run_soak(cfg, args, progress=print)
-    kinds = [(f["kind"], f["problem"]) for f in report["faults"]]
-    assert kinds == [("kill-decode", None), ("kill-frontend", None), ("n-too-large", None)], report["faults"]
-    assert all(f["recovered_s"] is not None for f in report["faults"][:2]), report["faults"]
-    t = report["traffic"]
-    assert t["failed"] == 0 and t["completed"] > 0, t
-    assert t["sent"] == t["completed"] + t["refused_429"] + t["refused_503"] + t["lost_with_frontend"], t
-    assert report["problems"] == [], report["problems"]
-    left = report["left_behind"]
-    assert not left["shm_after_stop"] and not left["stragglers"] and left["nixl_agents_of_gone_prefills"] == 0
-    assert left["pools_short"] == []
-    assert set(left["blocks_held"].values()) == {0}, left
-    assert report["start"]["engines"] != report["end"]["engines"]  # the killed decode engine was replaced

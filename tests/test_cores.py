@@ -15,7 +15,7 @@ from actors.autoscale import Want, bound_by_cores
 from actors.cores import CoresUnavailable, HostCores, host_cores, lease_cores, node_cores, reserved_cores
 from cluster.core.config import DeployConfig, DeployError
 from cluster.core.cores import CoreSpecError, format_cores, omp_bind, parse_cores, shared_bind
-from cluster.cli.launch import check_cores
+from cluster.cli.placement import check_cores
 
 
 def test_core_lists_parse_fold_and_split_per_rank():

@@ -1,7 +1,7 @@
 """An engine actor's components without an engine (a stand-in for vLLM's `AsyncLLM`; outputs are vLLM's own objects):
 `decode`, the plain per-request stream, runs on the same pump as the router's `submit_decode` - its dicts, its
 errors, its request accounting, its verification, and its end when the stream is closed early. The real engine:
-tests/test_http.py and tests/test_faults.py (colocated references and reads through `decode`)."""
+tests/default_layout/test_http.py and tests/test_faults.py (colocated references and reads through `decode`)."""
 
 from __future__ import annotations
 

@@ -25,19 +25,21 @@ from cluster.cli.bench.faults import blocks_held, free_blocks
 from cluster.cli.bench.faults import kill_engine as bench_kill_engine
 from cluster.core.config import DeployConfig, load_deploy
 from cluster.cli.launch import serve, stop_cluster
-from tests.pd_helpers import metric, wait_for
+from tests.pd_helpers import engine_shm, metric, wait_for
 
 pytestmark = pytest.mark.engine
 MODEL = "tiny-hybrid"
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW_S = 20.0  # how soon a decode request whose prefill engine died before the read must end
+SHM_BEFORE: set[str] = set()  # the engine files in /dev/shm before the module's cluster started
+STOPPED: list[bool] = []  # set by the last test, which stops the cluster itself
 
 
 @pytest.fixture(scope="module")
 def served(ray_local, gdn_model):
     """deploy.yaml's deployment (transfer.verify, prefix caching, routing, local prefill as shipped), with only what
     a test must change: the model built for the tests, a coordinator and port of its own, two decode engines (one to
-    fail over to), and the three engines sharing the 2 cores (cores as devices is tested in test_cores_live.py)."""
+    fail over to), and the three engines sharing the 2 cores (cores as devices is tested in default_layout/test_own_cores.py)."""
     base = load_deploy(ROOT / "deploy.yaml").model_dump(exclude_unset=True)
     cfg = DeployConfig.model_validate({
         **base,
@@ -49,11 +51,13 @@ def served(ray_local, gdn_model):
     })
     assert cfg.model.name == MODEL and cfg.transfer == load_deploy(ROOT / "deploy.yaml").transfer
     # engines as plain actors (pools="actors"): these tests kill them on purpose, and Serve would replace them
+    SHM_BEFORE.update(engine_shm())
     cluster = serve(cfg, progress=print, pools="actors")
     try:
         yield cluster
     finally:
-        stop_cluster(cluster, shutdown_serve=True, progress=print)
+        if not STOPPED:  # the last test stops it itself
+            stop_cluster(cluster, shutdown_serve=True, progress=print)
 
 
 @pytest.fixture(scope="module")
@@ -428,3 +432,49 @@ def test_with_the_prefill_pool_dead_decode_engines_serve_whole_requests_then_503
     metrics = httpx.get(f"{url}/metrics").text
     assert float(metric(metrics, "pd_requests_waited_for_engine_total")) >= 1
     assert float(metric(metrics, 'pd_requests_colocated_total{role="prefill"}')) >= 1
+
+
+def test_a_stop_right_after_an_engine_is_killed_leaves_nothing_behind(served):
+    """The module's last test: the engine left serving (the earlier tests killed the others) takes a little load, is
+    SIGKILLed with requests in flight, and the cluster is stopped at once, before anyone has noticed the death. Within
+    a deadline no process of any engine runs, /dev/shm holds no engine file it did not hold before the module's
+    cluster started (those of the engines killed by the earlier tests included), and no engine TMPDIR remains."""
+    assert served.engines, "no engine left serving"
+    pids = {p for e in served.engines.values() for p in ray.get(e.pids(), timeout=30)}
+    tmpdirs = {ray.get(e.leftovers(), timeout=30).tmpdir for e in served.engines.values()}
+    assert len(tmpdirs) == len(served.engines) and all(map(os.path.isdir, tmpdirs))
+    prompt = [1] + list(range(3, 200))
+
+    def complete_one() -> int:
+        try:
+            return httpx.post(f"{served.url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 64, "ignore_eos": True}).status_code
+        except httpx.HTTPError:
+            return 0
+
+    assert complete_one() == 200
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        load = [pool.submit(complete_one) for _ in range(3)]
+        victim = next(iter(served.engines))
+        wait_for(lambda: ray.get(served.engines[victim].num_unfinished()) > 0, 30)
+        bench_kill_engine(served.engines[victim])
+        STOPPED.append(True)
+        stop_cluster(served, shutdown_serve=True, progress=print)
+        concurrent.futures.wait(load, timeout=90)
+
+    def leftovers() -> list[str]:
+        procs = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    procs.append(f"process {pid}")
+            except psutil.NoSuchProcess:
+                pass
+        return procs + sorted(engine_shm() - SHM_BEFORE) + sorted(t for t in tmpdirs if os.path.exists(t))
+
+    left: list[str] = []
+    try:
+        took = wait_for(lambda: not left.__setitem__(slice(None), leftovers()) and not left, 60, poll_s=0.5)
+    except AssertionError:
+        raise AssertionError(f"left behind 60 s after the stop: {left}") from None
+    print(f"nothing of the {len(pids)} engine processes, their shared memory and TMPDIRs left {took:.2f} s after the stop")

@@ -1,10 +1,12 @@
 """A supervised front end that can be several: `http.replicas` processes share one port; one SIGKILLed costs at most
 its own requests in flight while the others serve, Ray restarts it and it serves again by itself, the launcher's
 watch says so, and the engines hold no blocks for the requests that died with it. All of them killed: /health
-answers again once they are back."""
+answers again once they are back. Last, on the same cluster, a tiny `bench soak` (a decode engine and a front end
+SIGKILLed, an n-too-large request: nothing failed, nothing left behind once it has stopped the cluster)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import threading
@@ -19,8 +21,10 @@ import yaml
 
 from actors.engine_settings import free_port
 from cluster.cli.bench.faults import blocks_held, free_blocks
+from cluster.cli.bench.soak import add_args, shm_files, soak_cluster
 from cluster.core.config import DeployConfig
-from cluster.cli.launch import serve, stop_cluster, watch_frontends
+from cluster.cli.frontends import watch_frontends
+from cluster.cli.launch import serve, stop_cluster
 from tests.pd_helpers import wait_for
 
 pytestmark = pytest.mark.engine
@@ -28,6 +32,8 @@ MODEL = "tiny-hybrid"
 REPO = Path(__file__).resolve().parents[1]
 LONG_STREAMS = 10  # in flight at the kill, each on its own connection: some land on the front end that is killed
 LONG_TOKENS = 1800  # each far from its last token when its front end dies
+SHM_BEFORE: set[str] = set()  # the engine files in /dev/shm before the module's cluster started
+STOPPED: list[bool] = []  # set by the soak, which stops the cluster
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +45,13 @@ def served(ray_local, gdn_model):
         data[pool].update(min_replicas=1, max_replicas=1)  # no autoscaling under the test's own load
     data["coordinator"] = {"name": "coordinator-frontends", "namespace": "pd-test-frontends"}
     data["http"] = {**data["http"], "port": free_port(), "replicas": 2}
+    SHM_BEFORE.update(shm_files())
     cluster = serve(DeployConfig.model_validate(data), progress=print)
     try:
         yield cluster
     finally:
-        stop_cluster(cluster, shutdown_serve=True, progress=print)
+        if not STOPPED:  # the soak, the module's last test, stops it itself
+            stop_cluster(cluster, shutdown_serve=True, progress=print)
 
 
 def infos(cluster) -> list[dict]:
@@ -213,3 +221,27 @@ def test_every_frontend_killed_comes_back(served):
         out = c.completions.create(model=MODEL, prompt="back again", max_tokens=8, temperature=0,
                                    extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 8
+
+
+def test_live_soak_a_decode_engine_and_a_front_end_killed_nothing_failed_nothing_left(served, tmp_path):
+    """The module's last test: 75 s of 4 streaming clients on its cluster (deploy.yaml's, 2 front ends): a decode
+    engine SIGKILLed at 20 s (its pool replaces it), a front end at 40 s (Ray restarts it), an n-too-large request at
+    60 s; the soak then stops the cluster and counts what is left."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(["--minutes", "1.25", "--fault-every", "20", "--faults", "kill-decode,kill-frontend,n-too-large",
+                         "--clients", "4", "--settle", "150", "--out-dir", str(tmp_path)])
+    STOPPED.append(True)
+    report = soak_cluster(served, args, SHM_BEFORE, progress=print)
+    kinds = [(f["kind"], f["problem"]) for f in report["faults"]]
+    assert kinds == [("kill-decode", None), ("kill-frontend", None), ("n-too-large", None)], report["faults"]
+    assert all(f["recovered_s"] is not None for f in report["faults"][:2]), report["faults"]
+    t = report["traffic"]
+    assert t["failed"] == 0 and t["completed"] > 0, t
+    assert t["sent"] == t["completed"] + t["refused_429"] + t["refused_503"] + t["lost_with_frontend"], t
+    assert report["problems"] == [], report["problems"]
+    left = report["left_behind"]
+    assert not left["shm_after_stop"] and not left["stragglers"] and left["nixl_agents_of_gone_prefills"] == 0
+    assert left["pools_short"] == []
+    assert set(left["blocks_held"].values()) == {0}, left
+    assert report["start"]["engines"] != report["end"]["engines"]  # the killed decode engine was replaced

@@ -1,14 +1,14 @@
 """The HTTP front end's own parts, without engines.
 
-/health's verdict (`actors.frontend.health_report`) against a stand-in coordinator (a mock, for the race a
+/health's verdict (`actors.health_watch.health_report`) against a stand-in coordinator (a mock, for the race a
 restarting coordinator makes - failing one question and answering the next - which the live test
 tests/test_faults.py::test_coordinator_restart_rebuilds_the_registry meets only by chance): what requests are routed
 on decides, never 503 while they are served. The same verdicts from the snapshot the front end keeps (`HealthWatch`):
 no coordinator call per /health, refreshed in the background and at once when a request contradicts it.
 
-The layers in front of vLLM's app (`actors.frontend.guarded`) around a stand-in for it, over httpx's ASGI transport:
+The layers in front of vLLM's app (`actors.http_guards.guarded`) around a stand-in for it, over httpx's ASGI transport:
 the API key on every route but /health, admission control (429 + Retry-After past the bound, streams included), the
-cap on `n`/`best_of`. The live versions are in tests/test_http.py."""
+cap on `n`/`best_of`. The live versions are in tests/default_layout/test_http.py."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import httpx
 import pytest
 from prometheus_client import Gauge
 
-from actors.frontend import (GENERATION_ROUTES, VLLM_ROUTES, FrontendSettings, HealthWatch, _Admission, guarded,
-                             health_report)
+from actors.frontend import VLLM_ROUTES, FrontendSettings
+from actors.health_watch import HealthWatch, health_report
+from actors.http_guards import GENERATION_ROUTES, Admission, guarded
 from actors.router import Router
 from cluster.core.metrics import ServiceMetrics, sample_value
 
@@ -293,7 +294,7 @@ def test_past_the_bound_requests_get_429_with_retry_after_at_once():
     admitted run at most 2 at a time, the waiting ones in arrival order, all 200. Counted in /metrics by reason."""
     stand_in = StandIn()
     app, metrics = front(stand_in, max_requests_in_flight=2, max_queued_requests=3, retry_after_s=7)
-    admission = layer(app, _Admission)
+    admission = layer(app, Admission)
 
     async def go():
         async with http(app) as c:
@@ -348,7 +349,7 @@ def test_routes_that_do_not_generate_are_not_held_by_the_bound():
 def test_a_waiting_request_whose_client_leaves_gives_its_place_back():
     stand_in = StandIn()
     app, _ = front(stand_in, max_requests_in_flight=1, max_queued_requests=1)
-    admission = layer(app, _Admission)
+    admission = layer(app, Admission)
 
     async def go():
         async with http(app) as c:
@@ -376,7 +377,7 @@ def test_a_waiting_request_whose_connection_closes_gives_its_place_back():
     a waiting request whose client stays is admitted with its body intact."""
     stand_in = StandIn()
     app, metrics = front(stand_in, max_requests_in_flight=1, max_queued_requests=1)
-    admission = layer(app, _Admission)
+    admission = layer(app, Admission)
 
     def connection(prompt: str):
         sent: list[dict] = []
@@ -422,7 +423,7 @@ def test_a_waiting_request_whose_connection_closes_gives_its_place_back():
 
 def test_a_place_handed_to_a_request_cancelled_at_that_moment_is_passed_on():
     """The race `_leave` and a cancelled waiter make: the place given to it goes back, none leaks."""
-    admission = _Admission(None, 1, 1, 2, ServiceMetrics().requests, Gauge("q", "q", registry=None))
+    admission = Admission(None, 1, 1, 2, ServiceMetrics().requests, Gauge("q", "q", registry=None))
 
     async def go():
         assert await admission._enter()
@@ -539,7 +540,7 @@ def test_metrics_state_keeps_the_totals_of_engines_that_left_without_keeping_the
     as big as the pools: engines that left fold into one sum per role."""
     from types import SimpleNamespace
 
-    from actors.frontend import DEPARTED, _cluster_state
+    from actors.health_watch import DEPARTED, cluster_state
     from cluster.core.metrics import TransferTotals
 
     live: dict[str, str] = {}
@@ -568,7 +569,7 @@ def test_metrics_state_keeps_the_totals_of_engines_that_left_without_keeping_the
     for step in range(50):  # an autoscaled decode pool: engine decode-<step> replaces decode-<step - 1>
         live.clear()
         live.update({"prefill-0": "prefill", f"decode-{step + 1}": "decode"})
-        state = asyncio.run(_cluster_state(Coordinator(), router, seen))
+        state = asyncio.run(cluster_state(Coordinator(), router, seen))
         totals.append(state["transfers"].bytes)
     assert totals == sorted(totals) and totals[-1] == sum(100 * (i + 1) for i in range(50))
     assert state["computed_prompt_tokens"]["decode"] == totals[-1]

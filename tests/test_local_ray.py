@@ -1,7 +1,7 @@
 """`cluster.cli.local_ray.start_ray`: a local instance starts with the loopback settings in the environment its daemons
 inherit, and the caller's environment comes back unchanged; joining a cluster sets none of them. (ray.init is a
 stand-in that records what it was given: the live effect - every vLLM port on loopback - is checked in
-tests/test_http.py::test_the_engines_listen_on_loopback_only.)"""
+tests/default_layout/test_http.py::test_the_engines_listen_on_loopback_only.)"""
 
 from __future__ import annotations
 

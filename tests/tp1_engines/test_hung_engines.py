@@ -1,8 +1,9 @@
 """Hung engines fail over like dead ones: an engine whose vLLM processes are stopped (SIGSTOP: alive, holding its
 Ray stream open, vLLM's `errored` flag clear) is found stuck (`cluster.core.progress`: a process stopped), its requests
 continue on another pair - token for token - the coordinator takes it out of every pair, and when it continues
-(SIGCONT) mid-stream its late output reaches nobody. Its tests run in order: each later one starts from the engines
-the earlier ones left (and says so)."""
+(SIGCONT) mid-stream its late output reaches nobody. On the folder's four engines (conftest.py), after
+test_cache_routing.py; its tests run in order: each later one starts from the engines the earlier ones left (and says
+so)."""
 
 from __future__ import annotations
 
@@ -14,41 +15,27 @@ import time
 import pytest
 import ray
 
-from actors.coordinator_client import CoordinatorClient
-from actors.engine import launch_engine_actor, stop_engine_actors
 from actors.router import Router
 from tests.pd_helpers import oracle, prompts, until, wait_for
+from tests.tp1_engines.shared import STALL_S, UNRESPONSIVE_S
 
 pytestmark = pytest.mark.engine
 
-STALL_S = 1.0  # the engines' margin (PD_ENGINE_STALL_S, default 10 s) and the router's silence before it asks (5 s)
 # the hung-engine tests' routers: an engine is judged stuck within 1 s (its next question) + its threshold (twice its
-# slowest step, < 0.3 s here, + STALL_S) of a SIGSTOP, and a router asks every ROUTER_STALL_S of silence, so a
-# request resumes within RESUME_S; with either default (a router's 5 s, an engine's 10 s) it would take 5.3 s or more
+# slowest step, < 0.3 s here, + STALL_S, the folder's engines' margin) of a SIGSTOP, and a router asks every
+# ROUTER_STALL_S of silence, so a request resumes within RESUME_S; with either default (a router's 5 s, an engine's
+# 10 s) it would take 5.3 s or more. The coordinator takes out an engine silent for UNRESPONSIVE_S (shared.py).
 ROUTER_STALL_S = 0.5
 RESUME_S = 4.5
-# the coordinator's patience with an engine that answers no health question (default 60 s): longer than a request
-# takes to be served elsewhere, so that the router is seen avoiding the engine while the coordinator still lists it
-UNRESPONSIVE_S = 15.0
-ENGINES = ("prefill-a", "prefill-b", "decode-a", "decode-b")
 
 
 @pytest.fixture(scope="module")
-def cl(ray_local, gdn_model):
-    coordinator = CoordinatorClient.start(name="coordinator-hung", unresponsive_s=UNRESPONSIVE_S)
-    launched = {e: launch_engine_actor(str(gdn_model), 1, role=e.split("-")[0], engine_id=e,
-                                       extra_env={"PD_ENGINE_STALL_S": str(STALL_S)}) for e in ENGINES}
-    engines = {e: h for e, (h, _) in launched.items()}
+def cl(tp1_engines):
+    """The folder's coordinator and engines; whatever a test stopped is continued at the end."""
     try:
-        ray.get([ref for _, ref in launched.values()])
-        for e in ENGINES:
-            ray.get(engines[e].register(coordinator))
-        yield coordinator, engines
+        yield tp1_engines.coordinator, tp1_engines.engines
     finally:
-        for h in engines.values():  # never leave a stopped process behind
-            _signal(h, signal.SIGCONT)
-        stop_engine_actors(list(engines.values()))
-        coordinator.kill()
+        tp1_engines.signal_all(signal.SIGCONT)  # never leave a stopped process behind
 
 
 def _vllm_pids(engine) -> list[int]:

@@ -1,45 +1,36 @@
 """Cache-aware routing (routing.policy cache) on live engines: two prefill and two decode engines of the tiny GDN
-hybrid, prefix caching on, small block pools. Every hit is measured on the engine (vLLM's own count of prompt tokens
-it reused), not only predicted; outputs are the model's rule and the `load` policy's, token for token."""
+hybrid, prefix caching on, small block pools (the folder's engines, conftest.py). Every hit is measured on the
+engine (vLLM's own count of prompt tokens it reused), not only predicted; outputs are the model's rule and the `load`
+policy's, token for token."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
 import ray
 
-from actors.coordinator_client import CoordinatorClient
-from actors.engine import launch_engine_actor, stop_engine_actors
+from actors.engine import stop_engine_actors
 from actors.router import Router
 from cluster.core.prefix import root_hash
 from tests.pd_helpers import gather, oracle
+from tests.tp1_engines.shared import DECODES, PREFILLS, Engines
 
 pytestmark = pytest.mark.engine
 
-PREFILLS, DECODES = ("prefill-a", "prefill-b"), ("decode-a", "decode-b")
-BLOCKS = 192  # each engine's block pool (vLLM's num_gpu_blocks_override): small, so that eviction comes soon
-KWARGS = {"enable_prefix_caching": True, "num_gpu_blocks_override": BLOCKS}
 MAX_TOKENS = 8
 
 
 class Cluster:
-    def __init__(self, model_dir: str):
-        self.model_dir = model_dir
-        self.coordinator = CoordinatorClient.start(name="coordinator-routing")
-        self.engines = {}
-        self.launch(*PREFILLS, *DECODES)
+    """The folder's engines (`tests.tp1_engines.shared.Engines`: prefix caching on, 192-block pools) with this
+    module's two routers over them and their counters."""
+
+    def __init__(self, shared: Engines):
+        self.coordinator = shared.coordinator
+        self.engines = shared.engines  # the folder's own dict: an engine restarted here is the one the next module sees
+        self.launch = shared.launch
         self.cache = Router(self.coordinator, policy="cache")
         self.load = Router(self.coordinator, policy="load")
-
-    def launch(self, *engine_ids: str) -> None:
-        launched = {e: launch_engine_actor(self.model_dir, 1, role=e.split("-")[0], engine_id=e, engine_kwargs=KWARGS)
-                    for e in engine_ids}
-        self.engines.update({e: h for e, (h, _) in launched.items()})
-        ray.get([ref for _, ref in launched.values()])
-        for e in sorted(engine_ids, key=lambda e: not e.startswith("prefill")):
-            ray.get(self.engines[e].register(self.coordinator))
 
     def totals(self) -> dict[str, tuple[int, int]]:
         """engine id -> (prompt tokens reused from its own cache, prompt tokens it computed), running totals."""
@@ -49,16 +40,10 @@ class Cluster:
     def mispredicted(self) -> int:
         return sum(t.mispredicted for t in ray.get([h.transfer_totals() for h in self.engines.values()]))
 
-    def stop(self) -> None:
-        stop_engine_actors(list(self.engines.values()))
-        self.coordinator.kill()
-
 
 @pytest.fixture(scope="module")
-def cl(ray_local, gdn_model):
-    cluster = Cluster(str(gdn_model))
-    yield cluster
-    cluster.stop()
+def cl(tp1_engines):
+    return Cluster(tp1_engines)
 
 
 @pytest.fixture(scope="module")

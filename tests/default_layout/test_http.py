@@ -1,5 +1,5 @@
-"""The HTTP service on the embedded cluster (prefill TP 1 + decode TP 2 as Serve pools, vLLM's OpenAI frontend over
-the cluster), started by the same functions `make run` uses, exercised with the official `openai` client, raw HTTP and
+"""The HTTP service on the embedded cluster (the folder's, conftest.py: the default layout as Serve pools, vLLM's
+OpenAI front end over the cluster), started by the same functions `make run` uses, exercised with the official `openai` client, raw HTTP and
 vLLM's own serving benchmark client. Every generated text is compared with the same request run whole (colocated) on
 the decode engine - vLLM's own engine given the same sampling parameters."""
 
@@ -19,31 +19,10 @@ import pytest
 import ray
 
 from actors.engine_settings import free_port
-from cluster.core.config import DeployConfig
-from cluster.cli.launch import serve, stop_cluster
+from tests.default_layout.shared import KEY, MODEL
 from tests.pd_helpers import metric, wait_for
 
 pytestmark = pytest.mark.engine
-KEY = "test-key-0123456789"
-MODEL = "tiny-hybrid"
-
-
-@pytest.fixture(scope="module")
-def served(ray_local, gdn_model):
-    cfg = DeployConfig.model_validate({
-        "model": {"path": str(gdn_model), "name": MODEL},
-        "coordinator": {"name": "coordinator-http", "namespace": "pd-test-http"},
-        "http": {"port": free_port(), "api_key": KEY, "max_body_bytes": 65536},
-        "transfer": {"verify": "all"},  # every request of this API's tests has its transferred bytes checked
-        "chat": {"tool_call_parser": "hermes"},  # vLLM's front-end options pass through (test_tool_calls)
-    })
-    t0 = time.monotonic()
-    cluster = serve(cfg, progress=print)
-    try:
-        print(f"cluster + HTTP up in {time.monotonic() - t0:.0f} s: {cluster.timings}")
-        yield cluster
-    finally:
-        stop_cluster(cluster, shutdown_serve=True, progress=print)
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +301,7 @@ def another_frontend(served, **settings):
     """A further front end on the module's cluster (as several front ends share one: its own router and channels),
     on a port of its own, with `settings` (`FrontendSettings` fields) over the launcher's; yields its URL."""
     from actors.frontend import HTTPFrontend
-    from cluster.cli.launch import frontend_settings
+    from cluster.cli.frontends import frontend_settings
 
     frontend = HTTPFrontend.remote()
     try:
@@ -342,8 +321,8 @@ BARE_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor 
 @pytest.fixture()
 def reasoning_frontend(served):
     """A second front end on the module's cluster with `chat.reasoning_parser: deepseek_r1` and a template that
-    renders the user's text alone (the chat options as the launcher passes them: `launch.chat_flags`)."""
-    from cluster.cli.launch import chat_flags
+    renders the user's text alone (the chat options as the launcher passes them: `cluster.cli.frontends.chat_flags`)."""
+    from cluster.cli.frontends import chat_flags
 
     cfg = served.cfg.model_copy(update={"chat": served.cfg.chat.model_copy(
         update={"reasoning_parser": "deepseek_r1", "chat_template": BARE_TEMPLATE})})
