@@ -12,16 +12,16 @@ from typing import Any
 import psutil
 import ray
 
-from actors.coordinator_client import CoordinatorClient
-from actors.engine import launch_engine_actor, stop_engine_actors
-from actors.router import Router
+from actors.control.coordinator import start_coordinator
+from actors.engine.actor import launch_engine_actor, stop_engine_actors
+from actors.frontend.router import Router
 
 MAX_TOKENS = 12
 
 
 def oracle(prompt: list[int], n: int = MAX_TOKENS, kind: str = "gdn") -> list[int]:
-    """The greedy continuation the tiny hybrid model's weights implement (`cluster.cli.tiny_model.expected_next_token`)."""
-    from cluster.cli.tiny_model import expected_next_token
+    """The greedy continuation the tiny hybrid model's weights implement (`cluster.cli.tiny_circuit.expected_next_token`)."""
+    from cluster.cli.tiny_circuit import expected_next_token
 
     ids = list(prompt)
     for _ in range(n):
@@ -44,7 +44,7 @@ class PDCluster:
                  extra_env: dict[str, str] | None = None):
         """`engine_kwargs` go to every engine, `per_engine[(role, tp)]` to one (on top); `extra_env` to every engine's
         processes."""
-        self.coordinator = CoordinatorClient.start(name=f"coordinator-{namespace}")
+        self.coordinator = start_coordinator(name=f"coordinator-{namespace}")
         launched = {
             (role, tp): launch_engine_actor(model_dir, tp, role=role, engine_id=f"{role}-tp{tp}", extra_env=extra_env,
                                             engine_kwargs={**(engine_kwargs or {}), **(per_engine or {}).get((role, tp), {})})
@@ -167,8 +167,8 @@ def end_processes_under(marker: str) -> None:
 
 
 def engine_shm() -> set[str]:
-    """The engines' files in /dev/shm now (vLLM's segments and queues, `actors.engine_procs.SHM_PREFIXES`)."""
-    from actors.engine_procs import SHM_PREFIXES
+    """The engines' files in /dev/shm now (vLLM's segments and queues, `actors.engine.procs.SHM_PREFIXES`)."""
+    from actors.engine.procs import SHM_PREFIXES
 
     return {p for p in glob.glob("/dev/shm/*") if os.path.basename(p).startswith(SHM_PREFIXES)}
 
@@ -230,8 +230,9 @@ def byte_classes(registration: Any, probes: dict[str, list[int]]) -> dict[str, t
     """Every byte class a decode engine reads for a hybrid request, as (probe prompt, noise specs per rank) for
     `EngineClient.corrupt_next_read`: each conv sub-projection (GDN Q, K, V; Mamba2 x, B, C) and each conv row in every
     state layer, each recurrent head of each state layer (on the rank that holds it), attention K and V. Offsets come
-    from the engine's run-time layout (`cluster.core.layout`). `probes`: the model's probe prompts (`cluster.cli.tiny_model.probe_prompts`:
-    "self" for the conv and attention classes, "layer L head H" for recurrent head H of the L-th state layer)."""
+    from the engine's run-time layout (`cluster.core.layout`). `probes`: the model's probe prompts
+    (`cluster.cli.tiny_circuit.probe_prompts`: "self" for the conv and attention classes, "layer L head H" for recurrent
+    head H of the L-th state layer)."""
     shape, lay, places, attention = _run_time_layout(registration)
     state, tp = shape.state, lay.tp
     out: dict[str, tuple[list[int], list[list[dict]]]] = {}
@@ -275,7 +276,7 @@ def unseen_byte_classes(pd: PDCluster, prefill_id: str, decode_key: tuple[str, i
     by noise right after the read lands. Returns the classes whose output stayed as without the noise (empty: every
     class is seen). Each probe's clean output is checked against the model's rule first, and noise in bytes the model
     never reads (the state pages' padding, where there is some) must leave the output as it was."""
-    from cluster.cli.tiny_model import probe_prompts
+    from cluster.cli.tiny_circuit import probe_prompts
 
     decode = pd.engines[decode_key]
     router = pd.routers["decode"]

@@ -25,7 +25,7 @@ def vllm_server(model_dir, name: str):
 
     import openai
 
-    from actors.engine_settings import free_port
+    from actors.engine.settings import free_port
     from cluster.cli.bench.targets import server_process, stop_processes, wait_http
 
     port = free_port()
@@ -97,7 +97,7 @@ class Reference:
 
 def document(seed: int, n: int) -> list[int]:
     """BOS and n - 1 seeded random token ids (any but the specials)."""
-    from cluster.cli.tiny_model import VOCAB_SIZE
+    from cluster.cli.tiny_circuit import VOCAB_SIZE
 
     rng = random.Random(seed)
     return [1] + [rng.randrange(3, VOCAB_SIZE) for _ in range(n - 1)]

@@ -29,7 +29,7 @@ import psutil
 import pytest
 import ray
 
-from actors.engine_settings import free_port
+from actors.engine.settings import free_port
 from cluster.core.config import DeployConfig
 from cluster.cli.launch import Cluster, serve, stop_cluster
 from tests.pd_helpers import oracle, until
@@ -100,7 +100,7 @@ class PoolWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        from actors.engine_client import EngineClient
+        from actors.clients.engine_client import EngineClient
 
         ns = self.cluster.cfg.coordinator.namespace
         while not self._stop.wait(0.25):
@@ -191,7 +191,7 @@ def events(cluster) -> dict:
 
 
 def served_by(cluster, engine_id: str) -> float | None:
-    from actors.engine_client import EngineClient
+    from actors.clients.engine_client import EngineClient
 
     try:
         return ray.get(EngineClient.named(engine_id, cluster.cfg.coordinator.namespace).first_served(), timeout=10)

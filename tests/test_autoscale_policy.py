@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.autoscale import Hysteresis, PoolPolicy, Want, wanted
+from actors.control.autoscale import Hysteresis, PoolPolicy, Want, wanted
 from cluster.core.config import DeployConfig, ScalingConfig
 from cluster.core.coordinator import Coordinator, RegistrationError
 
@@ -70,7 +70,7 @@ def ctx(target: int, running: list[str], metrics: dict[str, dict[str, float]], l
 
 
 def test_pool_policy_reads_its_own_signal_of_running_replicas_only(monkeypatch):
-    import actors.autoscale as autoscale
+    import actors.control.autoscale as autoscale
 
     clock = [1000.0]
     monkeypatch.setattr(autoscale.time, "time", lambda: clock[0])
@@ -126,7 +126,7 @@ def test_pool_settings_in_the_deployment_file():
 def test_pool_policy_never_shrinks_on_missing_reports(monkeypatch):
     """An engine whose load did not arrive (busy, slow to answer) is unknown, not idle: no scale-down on partial data;
     growth on partial data is fine (the reporting engines' load is a lower bound)."""
-    import actors.autoscale as autoscale
+    import actors.control.autoscale as autoscale
 
     clock = [0.0]
     monkeypatch.setattr(autoscale.time, "time", lambda: clock[0])
@@ -152,7 +152,7 @@ def test_pool_policy_never_shrinks_on_missing_reports(monkeypatch):
 def test_a_full_cache_asks_for_one_engine_more_than_are_running_not_than_the_target(monkeypatch):
     """While the engine the pool already decided on is loading (target 2, one running), a full cache must not grow
     the pool again and again."""
-    import actors.autoscale as autoscale
+    import actors.control.autoscale as autoscale
 
     clock = [0.0]
     monkeypatch.setattr(autoscale.time, "time", lambda: clock[0])

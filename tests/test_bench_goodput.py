@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli.bench.goodput import (FIGURES, LATENCIES, add_args, attains, check_targets, check_workload, client_argv,
-                                   deploy_for_bench, error_row, first_failing_rate, highest_rate_within_slo,
-                                   length_ranges, pick_baseline, prompts_at, rate_seed, row_from_result, summarize,
-                                   table)
+from cluster.cli.bench.goodput import (add_args, check_workload, client_argv, deploy_for_bench, length_ranges,
+                                   prompts_at, rate_seed)
+from cluster.cli.bench.goodput_report import (FIGURES, LATENCIES, attains, check_targets, error_row, first_failing_rate,
+                                          highest_rate_within_slo, pick_baseline, row_from_result, summarize, table)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,9 +8,10 @@ import argparse
 
 import pytest
 
-from cluster.cli.bench.soak import (FAULTS, Request, add_args, broken_connection, burst_counts, check_n_too_large,
-                                fault_schedule, idle_baselines, lost_with_frontend, orphans, parse_faults, problems,
-                                shm_files, shm_held, shm_of, soak_config, tally)
+from cluster.cli.bench.soak import add_args, soak_config
+from cluster.cli.bench.soak_accounting import (FAULTS, Request, broken_connection, burst_counts, check_n_too_large,
+                                              fault_schedule, idle_baselines, lost_with_frontend, orphans,
+                                              parse_faults, problems, shm_files, shm_held, shm_of, tally)
 
 
 # ---- the schedule --------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import time
 import pytest
 import ray
 
-from actors.engine import launch_engine_actor, stop_engine_actors
+from actors.engine.actor import launch_engine_actor, stop_engine_actors
 from tests.pd_helpers import wait_for
 
 pytestmark = pytest.mark.engine

@@ -136,7 +136,7 @@ def test_transfer_verify_spellings(tmp_path, text, fraction):
 
 def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
     from cluster.cli.placement import device_options
-    from cluster.cli.tiny_model import model_config
+    from cluster.cli.tiny_circuit import model_config
     from cluster.core.verify import VERIFY_ENV
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
@@ -149,7 +149,7 @@ def test_transfer_verify_reaches_only_the_decode_engines(tmp_path):
 def test_placement_and_env_reach_the_engines(tmp_path):
     """A pool's placement becomes its engines' Ray options (and its replicas' labels); its env, their environment."""
     from cluster.cli.launch import Cluster, engine_launch, pool_spec
-    from cluster.cli.tiny_model import model_config
+    from cluster.cli.tiny_circuit import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cfg = DeployConfig.model_validate({
@@ -163,7 +163,8 @@ def test_placement_and_env_reach_the_engines(tmp_path):
     assert decode["env"]["UCX_TLS"] == "tcp" and decode["env"]["OMP_WAIT_POLICY"] == "ACTIVE"  # the pool's word wins
     assert "UCX_TLS" not in prefill["env"] and prefill["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
     # a TP 1 CPU engine runs its model in its EngineCore ("uni"); one that owns its cores is bound when it starts,
-    # to the cores it gets (tests/default_layout/test_own_cores.py), one that shares them as vLLM's mp executor binds a worker
+    # to the cores it gets (tests/default_layout/test_own_cores.py), one that shares them as vLLM's mp executor binds a
+    # worker
     assert prefill["vllm_args"]["distributed_executor_backend"] == "uni"
     assert (prefill["own_cores"], decode["own_cores"]) == (1, 2)
     assert (prefill["reserve_cores"], decode["reserve_cores"]) == (False, True)  # the host keeps off decode's cores
@@ -216,7 +217,7 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
     project's connector over VRAM, vLLM's share of GPU memory, and vLLM's default async scheduling - which 0.32 runs
     safely with hybrid P/D because it carries both upstream fixes, checked here in the installed vLLM."""
     from cluster.cli.launch import engine_launch
-    from cluster.cli.tiny_model import model_config
+    from cluster.cli.tiny_circuit import model_config
     from cluster.core.verify import VERIFY_ENV
 
     cfg, model = gpu_example(tmp_path)
@@ -229,14 +230,14 @@ def test_gpu_engines_get_what_vllm_needs_for_hybrid_pd(tmp_path):
         assert "async_scheduling" not in args  # vLLM's default: on
         kv = args["kv_transfer_config"]
         assert (kv["kv_connector"], kv["kv_connector_module_path"], kv["kv_buffer_device"], kv["engine_id"]) == (
-            "NixlConnector", "actors.connector", "cuda", f"{role}-0")
+            "NixlConnector", "actors.engine.connector", "cuda", f"{role}-0")
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-        assert args["worker_extension_cls"] == "actors.connector.PDWorkerExtension"
+        assert args["worker_extension_cls"] == "actors.engine.connector.PDWorkerExtension"
         assert args["enable_prefix_caching"] is True  # GDN state: vLLM's "align" mode on any device
         assert args["distributed_executor_backend"] == "mp"  # a process per rank on GPUs, TP 1 too
         assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "GOMP_CPU_AFFINITY"} & spec["env"].keys()
     assert "block_size" not in args  # GPU attention pages are token-major: block sizes may differ between pools
-    # the CPU default: vLLM's own SD conv layout (actors.engine_settings.launch_env), the cache lives in DRAM, no GPUs
+    # the CPU default: vLLM's own SD conv layout (actors.engine.settings.launch_env), the cache lives in DRAM, no GPUs
     (model / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cpu = engine_launch(DeployConfig(), "decode", str(model), "decode-0")
     assert cpu["env"]["VLLM_SSM_CONV_STATE_LAYOUT"] == "SD" and cpu["num_gpus"] == 0
@@ -250,7 +251,7 @@ def test_a_decode_budget_under_two_blocks_is_refused_where_the_decode_engine_pre
     defaults to two blocks of the model (deploy.yaml leaves it out: 256 on gdn's 128-token blocks, 768 on gdn-asym's
     384), and an explicit value under that is refused naming the field; with no rule on, vLLM's budget stands."""
     from cluster.cli.placement import device_options
-    from cluster.cli.tiny_model import model_config
+    from cluster.cli.tiny_circuit import model_config
 
     def budget(cfg: DeployConfig, role: str = "decode") -> int | None:
         return device_options(cfg, role, tmp_path)["engine_kwargs"].get("max_num_batched_tokens")
@@ -286,7 +287,7 @@ def test_cpu_pools_get_one_block_size(tmp_path):
     which vLLM's CPU platform uses on AVX512-BF16 machines, so that it fits everywhere)."""
     from cluster.cli.launch import engine_launch
     from cluster.cli.placement import cpu_block_size
-    from cluster.cli.tiny_model import model_config
+    from cluster.cli.tiny_circuit import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn-asym").to_dict()))
     cfg = DeployConfig.model_validate({"model": {"path": str(tmp_path)}, "prefill": {"tp": 1}, "decode": {"tp": 4}})
@@ -300,7 +301,7 @@ def test_cpu_pools_get_one_block_size(tmp_path):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from actors.connector import NixlConnector
+    from actors.engine.connector import NixlConnector
 
     # vLLM #48481: attention blocks a connector loads are not zeroed behind the transfer's back
     assert NixlConnector.get_loaded_kv_cache_group_ids is not KVConnectorBase_V1.get_loaded_kv_cache_group_ids
@@ -315,7 +316,7 @@ def test_prefix_caching_is_on_wherever_vllm_serves_it(tmp_path, kind):
     field; asking for it off is obeyed; the engines get what was decided."""
     from cluster.cli.launch import engine_launch
     from cluster.cli.placement import prefix_caching
-    from cluster.cli.tiny_model import model_config
+    from cluster.cli.tiny_circuit import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config(kind).to_dict()))
     auto = DeployConfig.model_validate({"model": {"path": str(tmp_path)}})
@@ -343,7 +344,7 @@ def test_prefix_caching_must_be_a_boolean(tmp_path):
 def test_in_process_engines_bind_their_openmp_threads():
     """TP 1 CPU engines run the model in their EngineCore with the binding vLLM's mp executor gives a worker; a pool's
     own VLLM_CPU_OMP_THREADS_BIND or executor choice wins."""
-    from actors.engine_settings import in_process_env, in_process_model, launch_env
+    from actors.engine.settings import in_process_env, in_process_model, launch_env
 
     assert in_process_model(1) and not in_process_model(2) and not in_process_model(1, "cuda")
     assert not in_process_model(1, engine_kwargs={"distributed_executor_backend": "mp"})
@@ -360,7 +361,7 @@ def test_in_process_engines_bind_their_openmp_threads():
 def test_cpu_pd_engines_keep_conv_state_in_vllms_default_layout():
     """CPU prefill and decode engines run the SD conv-state layout vLLM's plain server runs (vLLM-CPU would pick DS
     for any NIXL connector); a pool's env wins; engines without a role and CUDA engines are left to vLLM / the pool."""
-    from actors.engine_settings import launch_env
+    from actors.engine.settings import launch_env
 
     for role in ("prefill", "decode"):
         assert launch_env(2, None, role)["VLLM_SSM_CONV_STATE_LAYOUT"] == "SD"
@@ -372,7 +373,7 @@ def test_cpu_pd_engines_keep_conv_state_in_vllms_default_layout():
 def test_every_engine_shares_one_gloo_device_per_process():
     """launch_env turns on the vLLM plugin's one gloo device per process for every engine (a pool's env, or the
     launching process's PD_GLOO_SHARED_DEVICE, may turn it off)."""
-    from actors.engine_settings import launch_env
+    from actors.engine.settings import launch_env
 
     for role in ("prefill", "decode", None):
         assert launch_env(2, None, role)["PD_GLOO_SHARED_DEVICE"] == "1"
@@ -381,7 +382,7 @@ def test_every_engine_shares_one_gloo_device_per_process():
 
 def test_a_pools_step_budget_reaches_its_engines(tmp_path):
     """`max_num_batched_tokens` goes to vLLM as the pool's engines' step budget; unset, vLLM picks its own."""
-    from cluster.cli.tiny_model import model_config
+    from cluster.cli.tiny_circuit import model_config
     from cluster.cli.launch import engine_launch
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
@@ -417,7 +418,7 @@ def test_loopback_hosts_need_no_api_key(tmp_path, host):
 def test_front_ends_on_every_node(tmp_path):
     """http.location: head (default) or every_node, nothing else; a front end's URL for clients elsewhere names its
     node where it binds every interface; "node" binds the node's own address."""
-    from actors.frontend import bind_host
+    from actors.frontend.server import bind_host
     from cluster.cli.frontends import reachable_url
 
     assert DeployConfig().http.location == "head"
@@ -435,7 +436,7 @@ def test_front_ends_on_every_node(tmp_path):
 def test_admission_and_n_limits_have_defaults_and_bounds(tmp_path):
     """The defaults the field descriptions explain (in flight 256, queued 512, n 128), reaching the front end's
     settings; nonsense refused naming the field."""
-    from actors.frontend import FrontendSettings
+    from actors.frontend.server import FrontendSettings
 
     http = DeployConfig().http
     assert (http.max_requests_in_flight, http.max_queued_requests, http.max_n, http.retry_after_s) == (256, 512, 128, 2)
@@ -474,9 +475,9 @@ def test_the_engines_settings_reach_every_engine(tmp_path, monkeypatch):
     """`engines` becomes both pools' environment (compile cache, busy limit, warm-up off), and an engine's compile
     caches live under that directory whatever its process inherited (torch writes TORCHINDUCTOR_CACHE_DIR into the
     environment of a process that used its cache, and Ray's workers inherit it)."""
-    from actors.engine_settings import compile_cache_env, default_compile_cache_dir
+    from actors.engine.settings import compile_cache_env, default_compile_cache_dir
     from cluster.cli.launch import engine_launch
-    from cluster.cli.tiny_model import model_config
+    from cluster.cli.tiny_circuit import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     cfg = DeployConfig.model_validate({"engines": {"compile_cache_dir": "~/cc", "busy_limit_s": 90, "warm_up": False}})
@@ -500,7 +501,7 @@ def test_chat_options_reach_vllms_front_end_arguments_and_bad_ones_are_refused(t
     them (a tool-call parser turns auto tool choice on, without which vLLM 0.32 refuses every tool_choice); a
     parser the installed vLLM does not have, or a chat template that is neither a file nor a template, is refused
     naming the field before anything starts; auto tool choice without a parser at load."""
-    from actors.frontend import FrontendSettings, vllm_args
+    from actors.frontend.server import FrontendSettings, vllm_args
     from cluster.cli.frontends import chat_flags
     from cluster.cli.placement import check_chat, device_options
 
@@ -518,7 +519,7 @@ def test_chat_options_reach_vllms_front_end_arguments_and_bad_ones_are_refused(t
             args.chat_template, args.default_chat_template_kwargs) == \
         ("hermes", True, "qwen3", "parameter", template.read_text(), {"enable_thinking": False})  # the file's text:
     # the front ends may run on nodes without the launcher's files
-    from cluster.cli.tiny_model import model_config
+    from cluster.cli.tiny_circuit import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(model_config("gdn").to_dict()))
     for role in ("prefill", "decode"):  # the engines' structured output waits for the end of the thinking
@@ -538,6 +539,6 @@ def test_chat_options_reach_vllms_front_end_arguments_and_bad_ones_are_refused(t
 
 def test_the_deploy_files_context_default_is_the_engines():
     """model.max_model_len's default (cluster/core may not import actors/) is the engines' own default."""
-    from actors.engine_settings import DEFAULT_MAX_MODEL_LEN
+    from actors.engine.settings import DEFAULT_MAX_MODEL_LEN
 
     assert DeployConfig.model_validate({}).model.max_model_len == DEFAULT_MAX_MODEL_LEN

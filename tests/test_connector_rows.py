@@ -54,7 +54,7 @@ def _sorted_checks(checks):
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("p_tp,d_tp", PAIRS)
 def test_rows_match_one_loop_per_region_and_rank(model: str, p_tp: int, d_tp: int):
-    from actors.connector import PlannedPullWorker
+    from actors.engine.connector import PlannedPullWorker
 
     cfg = load_config(MODELS[model])
     shape, sdtype = model_shape(cfg), ssm_dtype(cfg, "bfloat16")
@@ -76,7 +76,7 @@ def test_rows_match_one_loop_per_region_and_rank(model: str, p_tp: int, d_tp: in
 
 
 def test_rows_refuse_a_read_outside_the_local_regions():
-    from actors.connector import PlannedPullWorker
+    from actors.engine.connector import PlannedPullWorker
 
     cfg = load_config(MODELS["qwen3.5-0.8b"])
     shape, sdtype = model_shape(cfg), ssm_dtype(cfg, "bfloat16")
@@ -90,7 +90,7 @@ def test_rows_refuse_a_read_outside_the_local_regions():
 
 def test_transfer_bench_builds_the_connectors_rows():
     """`bench transfer` measures the connector's reads: its descriptors are the connector's rows."""
-    from actors.connector import PlannedPullWorker
+    from actors.engine.connector import PlannedPullWorker
     from cluster.cli.bench.transfer_side import TransferSide
 
     cfg = load_config(MODELS["qwen3.5-35b-a3b"])
@@ -100,7 +100,7 @@ def test_transfer_bench_builds_the_connectors_rows():
     plan = plan_request(pair, pb, db, 4095)
     worker, remote_bases, local_bases = _fake_worker(pair, 0, pool)
     rows = PlannedPullWorker._pd_rows(worker, "prefill-0", pair, plan)
-    for lanes in (1, 2):  # the connector posts lane_rows(rows, its lanes) (actors/nixl_setup.py)
+    for lanes in (1, 2):  # the connector posts lane_rows(rows, its lanes) (actors/engine/nixl_setup.py)
         side = types.SimpleNamespace(remote_bases=remote_bases, lanes=lanes,
                                      regions=[[types.SimpleNamespace(ctypes=types.SimpleNamespace(data=b)) for b in local_bases]])
         descs = TransferSide.__ray_actor_class__._descs(side, 0, plan.reads[0])

@@ -1,4 +1,4 @@
-"""Core lending without engines (actors.core_lending): a lender's busy bytes follow its requests in flight; a
+"""Core lending without engines (actors.host.core_lending): a lender's busy bytes follow its requests in flight; a
 borrower takes the leading run of the node's other cores whose engines hold their lock and are idle, and gives them
 back the step after; and, in a real process with PyTorch's libgomp placed as an engine's (`borrow_env`), the OpenMP
 thread on a lent core does the work while it is lent and none once its engine is busy."""
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import actors.core_lending as cl
-from actors.core_lending import BORROW_ENV, CoreBorrower, CoreLender, borrow_env, busy_path
-from actors.cores import lease_cores
+import actors.host.core_lending as cl
+from actors.host.core_lending import BORROW_ENV, CoreBorrower, CoreLender, borrow_env, busy_path
+from actors.host.cores import lease_cores
 from cluster.core.config import DeployConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,12 +89,12 @@ def test_a_borrower_takes_the_leading_idle_held_cores_and_gives_them_back(node, 
 
 
 def test_the_step_hook_reads_the_hand_off_and_fails_open(node, monkeypatch):
-    """`actors.connector.size_team_for_step`, vLLM's scheduler step's hook: the prompts the metadata hands to decode
-    engines pause borrowing; steps without scheduled tokens leave the team; an error turns borrowing off, the team
-    back at the engine's own cores, and the step goes on."""
+    """`actors.engine.connector.size_team_for_step`, vLLM's scheduler step's hook: the prompts the metadata hands to
+    decode engines pause borrowing; steps without scheduled tokens leave the team; an error turns borrowing off, the
+    team back at the engine's own cores, and the step goes on."""
     from types import SimpleNamespace
 
-    from actors.connector import size_team_for_step
+    from actors.engine.connector import size_team_for_step
 
     sizes: list[int] = []
     b = CoreBorrower(node, (0,), (1,), set_threads=sizes.append, threads=1)
@@ -160,7 +160,7 @@ def test_borrowing_is_the_prefill_pools_default_where_it_can_be():
 
 CHILD = r"""
 import json, os, sys, time
-from actors.core_lending import CoreLender, borrower
+from actors.host.core_lending import CoreLender, borrower
 import torch
 
 where = sys.argv[1]

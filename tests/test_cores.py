@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from actors.autoscale import Want, bound_by_cores
-from actors.cores import CoresUnavailable, HostCores, host_cores, lease_cores, node_cores, reserved_cores
+from actors.control.autoscale import Want, bound_by_cores
+from actors.host.cores import CoresUnavailable, HostCores, host_cores, lease_cores, node_cores, reserved_cores
 from cluster.core.config import DeployConfig, DeployError
 from cluster.core.cores import CoreSpecError, format_cores, omp_bind, parse_cores, shared_bind
 from cluster.cli.placement import check_cores
@@ -105,7 +105,7 @@ def test_reserved_cores_keep_the_clusters_own_processes_off_until_their_holder_d
         assert mine.cores == (3,) and host_cores("node-a", node) == (2,)
         with open(os.path.join(lock_dir, "node-a", "core-0")) as f:
             assert f.readline().startswith("decode-0 (pid")  # what a refusal names: the first line
-        import actors.cores as ac
+        import actors.host.cores as ac
 
         with monkeypatch.context() as m:  # where /proc/locks cannot be read: the holder's pid must be alive
             m.setattr(ac, "flocked_inodes", lambda: None)

@@ -42,8 +42,8 @@ def reference(pd):
 
 
 def test_every_pair_was_negotiated(pd):
-    # every engine keeps its conv state in vLLM's default SD layout (actors.engine_settings.CPU_CONV_STATE_LAYOUT), so the
-    # reads and the byte-class test below move SD bytes (tests/test_disagg_mamba2.py runs DS)
+    # every engine keeps its conv state in vLLM's default SD layout (actors.engine.settings.CPU_CONV_STATE_LAYOUT), so
+    # the reads and the byte-class test below move SD bytes (tests/test_disagg_mamba2.py runs DS)
     layouts = {key: {r["layout"]["conv_layout"] for r in ray.get(e.registration()).ranks} for key, e in pd.engines.items()}
     assert layouts == {key: {"SD"} for key in pd.engines}
     desc = ray.get(pd.coordinator.describe())
@@ -56,8 +56,8 @@ def test_compute_threads_keep_their_cores(pd):
     the model - to the machine's last core; every TP rank then computed on that one core (2-3x the time per token).
     The connector puts it back: each rank's main thread stays on the first core of its VLLM_CPU_OMP_THREADS_BIND
     list, so the ranks of a TP 2 engine compute on different cores. A TP 1 engine computes in its EngineCore, bound
-    as vLLM binds a worker (`actors.engine_settings.in_process_env`)."""
-    from actors.engine_settings import in_process_model
+    as vLLM binds a worker (`actors.engine.settings.in_process_env`)."""
+    from actors.engine.settings import in_process_model
     from cluster.core.cores import shared_bind
 
     for (role, tp), engine in pd.engines.items():
@@ -80,7 +80,7 @@ def test_each_engine_process_runs_one_gloo_loop_thread(pd):
     own TCP loop thread, waking every 10 ms; the vLLM plugin (PD_GLOO_SHARED_DEVICE, set by launch_env) gives them
     one device per process, so one loop thread, in the EngineCore of a TP 1 engine and in every worker of a TP 2 one.
     The other tests of this module run on those shared devices (TP 2 all-reduces among them)."""
-    from actors.engine_settings import in_process_model
+    from actors.engine.settings import in_process_model
 
     for (role, tp), engine in pd.engines.items():
         loops: dict[str, int] = {}
@@ -131,8 +131,8 @@ def test_decode_outputs_take_the_local_socket_and_the_ray_stream_alike(pd, refer
     stream receives them as its items. Same outputs either way. A channel's socket file goes with its event loop."""
     import os
 
-    from actors.decode_channel import _socket_dir
-    from actors.router import Router
+    from actors.engine.decode_channel import _socket_dir
+    from actors.frontend.router import Router
 
     by_ray = Router(pd.coordinator, decode_transport="ray")
     for router in (pd.router, by_ray):
@@ -226,10 +226,10 @@ def test_text_continues_a_first_token_that_ends_inside_a_character(pd, gdn_model
     async def text(router, continued=0):
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         if continued:  # what a failover sends: prompt + the tokens sent, the rest of the request
-            from actors.failover import continuation_params
+            from actors.frontend.request import Request
 
-            outs = router._once(prompt + oracle(prompt, continued), continuation_params(params, continued), "cont",
-                                ("prefill-tp1", "decode-tp2"), set(), continued=continued)
+            req = Request(prompt, params, "cont", ("prefill-tp1", "decode-tp2"), sent=oracle(prompt, continued))
+            outs = router._once(req.attempt())
             return "".join([o.outputs[0].text async for o in outs])
         return "".join([o.outputs[0].text async for o in router.stream(prompt, params, pair=("prefill-tp1", "decode-tp2"))])
 
@@ -258,11 +258,11 @@ def test_transfer_statistics(pd, reference):
 
 
 def test_reads_run_on_one_ucx_thread_per_core_of_the_rank(pd, reference):
-    """Read lanes (actors/nixl_setup.py): a decode rank's READ runs on one UCX thread per core its rank computes on (at
-    most MAX_READ_LANES; here the engines share the node's cores: TP 1 binds to all of them, TP 2 one apiece), laid out
-    in equal shares (`lane_rows`: a multiple of the lanes, at least LANE_MIN_ROWS per lane), and the output is still
-    the model's."""
-    from actors.nixl_setup import MAX_READ_LANES
+    """Read lanes (actors/engine/nixl_setup.py): a decode rank's READ runs on one UCX thread per core its rank computes
+    on (at most MAX_READ_LANES; here the engines share the node's cores: TP 1 binds to all of them, TP 2 one apiece),
+    laid out in equal shares (`lane_rows`: a multiple of the lanes, at least LANE_MIN_ROWS per lane), and the output is
+    still the model's."""
+    from actors.engine.nixl_setup import MAX_READ_LANES
     from cluster.core.cores import rank_cores, shared_bind
     from cluster.core.planner import LANE_ALIGN, LANE_MIN_BYTES, LANE_MIN_ROWS, LANE_PIECES
 
@@ -294,7 +294,7 @@ def test_the_data_path_reads_by_the_negotiated_layout(pd, reference):
     kernel block sizes. Its page size doubled is a layout the coordinator can plan with: the decode side then reads
     by that plan, and its answers are no longer right (wrong tokens, or reads the prefill side's memory refuses);
     restoring the true registration restores them."""
-    from actors.router import EngineFailure
+    from actors.frontend.router import EngineFailure
 
     engine = pd.engines[("prefill", 1)]
     reg = ray.get(engine.registration())
@@ -358,7 +358,7 @@ def test_engine_in_another_conv_layout_refused(pd):
 
 def test_engine_of_another_model_refused(pd, ray_local):
     """A real engine serving the asymmetric GDN model (twice the value heads) asks to join as a prefill engine."""
-    from actors.engine import launch_engine_actor, stop_engine_actor
+    from actors.engine.actor import launch_engine_actor, stop_engine_actor
 
     other, started = launch_engine_actor(ensure_model("gdn-asym"), 1, role="prefill", engine_id="prefill-asym")
     try:
@@ -375,7 +375,7 @@ def test_a_decode_engine_with_another_block_size_is_refused(pd):
     are not token-major inside a block, so its reads would have landed garbage - a live gdn-asym P TP 1 (384) ->
     D TP 4 (256) pair answered wrong tokens for every prompt with a hit, silently, before the coordinator checked it.
     Refused at registration, naming the field and both values."""
-    from actors.engine import launch_engine_actor, stop_engine_actor
+    from actors.engine.actor import launch_engine_actor, stop_engine_actor
 
     other, started = launch_engine_actor(ensure_model("gdn"), 1, role="decode", engine_id="decode-bs256",
                                          engine_kwargs={"block_size": 256})
@@ -393,7 +393,7 @@ def test_a_decode_engine_with_another_block_size_is_refused(pd):
 def test_failed_decode_frees_prefill_blocks(pd):
     """A decode-side failure (here: sampling parameters the decode engine rejects - more logprobs than it allows)
     ends the request with a clear error, and the prefill engine's blocks held for it are released at once."""
-    from actors.router import EngineFailure
+    from actors.frontend.router import EngineFailure
 
     prefill = pd.engines[("prefill", 1)]
 
@@ -409,7 +409,7 @@ def test_failed_decode_frees_prefill_blocks(pd):
 
 def test_failed_prefill_is_a_clear_error(pd):
     """A prompt the prefill engine rejects (longer than its context) fails the request before any decode work."""
-    from actors.router import EngineFailure
+    from actors.frontend.router import EngineFailure
 
     async def too_long():
         async for _ in pd.router.generate([1] * 5000, {"max_tokens": 4}, pair=("prefill-tp2", "decode-tp1")):
@@ -459,7 +459,7 @@ def test_a_backlogged_prefill_engine_leaves_the_prompt_to_the_decode_engine(pd):
     """Conditional disaggregation (`transfer.local_prefill_queue`): with a queue of one, a request routed while its
     prefill engine still computes another's prompt is prefilled by its decode engine itself - no transfer - and both
     answers are the model's. Without the limit, the same two requests are both disaggregated."""
-    from actors.router import Router
+    from actors.frontend.router import Router
 
     decode = pd.engines[("decode", 1)]
 
@@ -487,7 +487,7 @@ def test_the_decode_engine_prefills_the_prompts_it_finishes_sooner(pd):
     disaggregated. At speed 0.5 the second stays with the prefill engine (600 against 580) and the third goes to the
     decode engine (580 against 870). The decode engine reads only the disaggregated ones; all answers are the
     model's; the router's count of the decode engine's own prompts is back to zero."""
-    from actors.router import Router
+    from actors.frontend.router import Router
 
     decode = pd.engines[("decode", 1)]
     for speed, expected, seed in ((1.0, [False, True, False], 16), (0.5, [False, False, True], 17)):
@@ -527,7 +527,7 @@ def test_an_idle_decode_engine_prefills_the_next_request_itself(pd):
     in flight and none in prefill headed for it is prefilled there (no transfer); of two routed together, the second
     finds the engine busy with the first and is disaggregated; a third, routed once the first is done while the
     second is still in prefill, is disaggregated too. All answers are the model's."""
-    from actors.router import Router
+    from actors.frontend.router import Router
 
     decode = pd.engines[("decode", 1)]
     # prefill answers as the Ray call's return: `_HeldPrefill` below holds one back there
@@ -592,7 +592,7 @@ def test_a_read_racing_a_prefill_departure_is_retried_on_another_pair(pd, first)
     short answer), the prefill side's blocks are freed, and the router retries once on a pair without that engine -
     or, when the prefill engine already sent the first token, continues after it on such a pair: the right
     tokens."""
-    from actors.router import Router
+    from actors.frontend.router import Router
 
     # the prefill's answer as the Ray call's return, where the client wrapper below sees it (on the front end's path it
     # comes on the channel; the race with the read is the same)
@@ -688,7 +688,7 @@ def test_a_read_that_cannot_be_assembled_fails_its_request_not_the_engine(pd, re
     It fails that one request (cleanly, with nothing streamed), and the engine serves the next one."""
     import json
 
-    from actors.router import EngineFailure
+    from actors.frontend.router import EngineFailure
 
     decode = pd.engines[("decode", 2)]
     good = ray.get(pd.coordinator.pair_payload("prefill-tp1", "decode-tp2"))
@@ -715,7 +715,7 @@ def test_transfer_verify_checks_every_read_and_fails_closed(pd, reference):
     side's blocks; with the router's retry the client gets the right output. With the first token from the prefill
     engine (already sent when the read lands) the request continues on a pair after that token instead, and the
     client still gets the right output. Sampled: exactly the requests the sample names are checked."""
-    from actors.router import EngineFailure
+    from actors.frontend.router import EngineFailure
     from cluster.core.verify import sampled
 
     decode, prefill = pd.engines[("decode", 2)], pd.engines[("prefill", 1)]
@@ -782,7 +782,7 @@ def _greedy():
 def test_the_output_sees_every_byte_class_that_moves(pd, d_tp):
     """On a live decode engine, each byte class of the state it read (conv Q, K and V channels and each conv row in
     every GDN layer, each recurrent head of each layer, attention K and V) overwritten with noise right after the read
-    lands, one class at a time, on probe prompts that need it (`cluster.cli.tiny_model.probe_prompts`): the output
+    lands, one class at a time, on probe prompts that need it (`cluster.cli.tiny_circuit.probe_prompts`): the output
     changes every time. So "disaggregated == colocated" here speaks for every byte that moves."""
     from tests.pd_helpers import unseen_byte_classes
 

@@ -1,6 +1,6 @@
 """Disaggregated prefill/decode on the tiny Mamba2 hybrid (GraniteMoeHybrid, n_groups 1: B/C replicated on every
 rank) at (P, D) TP = (1, 2) and (2, 1), against the same requests run colocated on one engine and the rule the
-model's weights implement (`cluster.cli.tiny_model.expected_next_token`, kind mamba2); and a TP 4 decode side,
+model's weights implement (`cluster.cli.tiny_circuit.expected_next_token`, kind mamba2); and a TP 4 decode side,
 P TP 1 -> D TP 4 (two heads per decode rank, the one B/C group replicated on all four; TP 4 on two cores is slow:
 short requests only). The GDN family's TP 4 decode side runs in test_disagg_gdn_asym.py, whose asymmetric model
 (value heads = 2 x key heads, KV heads replicated) is the harder case of the same reads."""

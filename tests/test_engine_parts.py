@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from actors.engine_load import EngineDraining, EngineLoad
-from actors.engine_pairs import EnginePairs
-from actors.engine_prefix import EnginePrefixes
-from actors.engine_procs import LiveEngine
-from actors.engine_serving import EngineServing
-from actors.engine_verify import EngineVerify
+from actors.engine.load import EngineDraining, EngineLoad
+from actors.engine.pairs import EnginePairs
+from actors.engine.prefix import EnginePrefixes
+from actors.engine.procs import LiveEngine
+from actors.engine.serving import EngineServing
+from actors.engine.verify import EngineVerify
 from cluster.core.verify import TRANSFER_VERIFY_FAILED
 
 
@@ -187,8 +187,8 @@ def test_a_prefill_submitted_on_a_channel_answers_there_and_a_late_cancel_frees_
     """`submit_prefill`: the answer (`Prefilled`) is the channel's item, not the call's return; `cancel_prefill`
     after it left frees the blocks held for the decode engine that will not read them; an engine error is the
     channel's `DecodeError`; no channel, or a draining engine, refuses the submission itself."""
-    from actors.decode_channel import DecodeError, Outbox
-    from actors.engine_client import Prefilled
+    from actors.engine.decode_channel import DecodeError, Outbox
+    from actors.clients.engine_client import Prefilled
 
     parts = Parts(FakeVllm([_prefilled_output("p1")]))
     released = _recorded_releases(parts)
@@ -218,7 +218,7 @@ def test_a_prefill_submitted_on_a_channel_answers_there_and_a_late_cancel_frees_
 def test_cancelling_a_prefill_under_way_aborts_it_and_frees_nothing_twice():
     """`cancel_prefill` while the prompt is still in the engine cancels it (vLLM's generate is cancelled: it aborts
     the request); nothing reaches the channel and nothing is released."""
-    from actors.decode_channel import Outbox
+    from actors.engine.decode_channel import Outbox
 
     engine = FakeVllm([], hold=True)
     parts = Parts(engine)
@@ -240,7 +240,7 @@ def test_cancelling_a_prefill_under_way_aborts_it_and_frees_nothing_twice():
 def test_a_cancel_that_overtakes_its_submission_keeps_the_prefill_from_starting():
     """Ray runs an async actor's calls concurrently: a front end's `cancel_prefill` may arrive before the
     `submit_prefill` it follows. That prefill is then never started (nothing would read or free its blocks)."""
-    from actors.decode_channel import Outbox
+    from actors.engine.decode_channel import Outbox
 
     engine = FakeVllm([_prefilled_output("p1")])
     parts = Parts(engine)
@@ -282,7 +282,7 @@ def test_a_front_end_killed_ends_its_local_channel_and_aborts_its_requests(tmp_p
 
     from vllm.sampling_params import SamplingParams
 
-    from actors.decode_channel import PEER_CHECK_S
+    from actors.engine.decode_channel import PEER_CHECK_S
 
     outs = [output("r1", [5 + i % 7], "x") for i in range(100_000)] if busy else [output("r1", [5], "a")]
     engine = FakeVllm(outs, hold=True)

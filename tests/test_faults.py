@@ -18,9 +18,9 @@ import psutil
 import pytest
 import ray
 
-from actors.engine import launch_engine_actor, stop_engine_actor
-from actors.engine_settings import free_port
-from actors.engine_client import ENGINE_PREFIX
+from actors.engine.actor import launch_engine_actor, stop_engine_actor
+from actors.engine.settings import free_port
+from actors.clients.engine_client import ENGINE_PREFIX
 from cluster.cli.bench.faults import blocks_held, free_blocks
 from cluster.cli.bench.faults import kill_engine as bench_kill_engine
 from cluster.core.config import DeployConfig, load_deploy
@@ -39,7 +39,8 @@ STOPPED: list[bool] = []  # set by the last test, which stops the cluster itself
 def served(ray_local, gdn_model):
     """deploy.yaml's deployment (transfer.verify, prefix caching, routing, local prefill as shipped), with only what
     a test must change: the model built for the tests, a coordinator and port of its own, two decode engines (one to
-    fail over to), and the three engines sharing the 2 cores (cores as devices is tested in default_layout/test_own_cores.py)."""
+    fail over to), and the three engines sharing the 2 cores (cores as devices is tested in
+    default_layout/test_own_cores.py)."""
     base = load_deploy(ROOT / "deploy.yaml").model_dump(exclude_unset=True)
     cfg = DeployConfig.model_validate({
         **base,
@@ -245,7 +246,7 @@ def test_coordinator_restart_rebuilds_the_registry(served, idle_free):
     while Ray restarts it; it re-registers every live engine (re-negotiating their pairs and re-pushing the plans).
     An outage shorter than the routes watch's deadline can pass unnoticed (the watch vouches for routes that were
     current when the coordinator died); a longer one has requests routed on the last routes, counted."""
-    from actors.router import ROUTES_FALLBACK_AFTER_S, WATCH_WAIT_S
+    from actors.frontend.router import ROUTES_FALLBACK_AFTER_S, WATCH_WAIT_S
 
     url = served.url
     before = ray.get(served.coordinator.describe())

@@ -1,6 +1,6 @@
 """First touch on a new machine: `deploy.yaml`'s cluster (Serve pools, as `make run` starts it) with its compile
 caches pointed at an empty directory - what a new machine, a container or a cleaned /tmp gives. Before the engines
-register they warm up (`actors.engine_warmup`), so the first requests a user sends - the README's `openai` examples,
+register they warm up (`actors.engine.warmup`), so the first requests a user sends - the README's `openai` examples,
 prompt logprobs, structured output - answer within seconds, no engine is judged stuck or leaves its pool, and greedy
 outputs equal vLLM's own server's. A decode engine SIGKILLed under traffic is replaced by one that warms up before it
 joins (its first requests compile nothing: the compile cache does not change), and a cluster stopped while that
@@ -20,9 +20,9 @@ import psutil
 import pytest
 import ray
 
-from actors.engine_client import EngineClient
-from actors.engine_procs import SHM_PREFIXES
-from actors.engine_settings import free_port
+from actors.clients.engine_client import EngineClient
+from actors.engine.procs import SHM_PREFIXES
+from actors.engine.settings import free_port
 from cluster.cli.bench.faults import kill_engine
 from cluster.cli.launch import engine_phases, serve, stop_cluster
 from cluster.core.config import DeployConfig, load_deploy
@@ -43,7 +43,7 @@ def _engine_shm() -> set[str]:
 
 def _unheld(names: set[str]) -> set[str]:
     """Of these /dev/shm files, those no live process maps or holds open (vLLM's reference server holds its own)."""
-    from actors.engine_procs import engine_shm_files, shm_inodes
+    from actors.engine.procs import engine_shm_files, shm_inodes
 
     held = shm_inodes(psutil.pids())
     return {os.path.basename(path) for inode, path in engine_shm_files().items()

@@ -19,9 +19,10 @@ import pytest
 import ray
 import yaml
 
-from actors.engine_settings import free_port
+from actors.engine.settings import free_port
 from cluster.cli.bench.faults import blocks_held, free_blocks
-from cluster.cli.bench.soak import add_args, shm_files, soak_cluster
+from cluster.cli.bench.soak import add_args, soak_cluster
+from cluster.cli.bench.soak_accounting import shm_files
 from cluster.core.config import DeployConfig
 from cluster.cli.frontends import watch_frontends
 from cluster.cli.launch import serve, stop_cluster

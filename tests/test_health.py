@@ -1,14 +1,14 @@
 """The HTTP front end's own parts, without engines.
 
-/health's verdict (`actors.health_watch.health_report`) against a stand-in coordinator (a mock, for the race a
+/health's verdict (`actors.frontend.health.health_report`) against a stand-in coordinator (a mock, for the race a
 restarting coordinator makes - failing one question and answering the next - which the live test
 tests/test_faults.py::test_coordinator_restart_rebuilds_the_registry meets only by chance): what requests are routed
 on decides, never 503 while they are served. The same verdicts from the snapshot the front end keeps (`HealthWatch`):
 no coordinator call per /health, refreshed in the background and at once when a request contradicts it.
 
-The layers in front of vLLM's app (`actors.http_guards.guarded`) around a stand-in for it, over httpx's ASGI transport:
-the API key on every route but /health, admission control (429 + Retry-After past the bound, streams included), the
-cap on `n`/`best_of`. The live versions are in tests/default_layout/test_http.py."""
+The layers in front of vLLM's app (`actors.frontend.guards.guarded`) around a stand-in for it, over httpx's ASGI
+transport: the API key on every route but /health, admission control (429 + Retry-After past the bound, streams
+included), the cap on `n`/`best_of`. The live versions are in tests/default_layout/test_http.py."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import httpx
 import pytest
 from prometheus_client import Gauge
 
-from actors.frontend import VLLM_ROUTES, FrontendSettings
-from actors.health_watch import HealthWatch, health_report
-from actors.http_guards import GENERATION_ROUTES, Admission, guarded
-from actors.router import Router
+from actors.frontend.server import VLLM_ROUTES, FrontendSettings
+from actors.frontend.health import HealthWatch, health_report
+from actors.frontend.guards import GENERATION_ROUTES, Admission, guarded
+from actors.frontend.router import Router
 from cluster.core.metrics import ServiceMetrics, sample_value
 
 
@@ -540,7 +540,7 @@ def test_metrics_state_keeps_the_totals_of_engines_that_left_without_keeping_the
     as big as the pools: engines that left fold into one sum per role."""
     from types import SimpleNamespace
 
-    from actors.health_watch import DEPARTED, cluster_state
+    from actors.frontend.health import DEPARTED, cluster_state
     from cluster.core.metrics import TransferTotals
 
     live: dict[str, str] = {}

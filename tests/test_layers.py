@@ -1,16 +1,19 @@
 """The code's layers and the one direction its imports run, read from the source (every import statement, the ones
 inside functions included):
 
-    cluster/cli/ (and cluster/__main__.py)   entry points: the command line, the launcher, the benchmarks, the tiny model
-      -> actors/         the Ray runtime: engine, coordinator, pool and front-end actors, the router, the connector
+    cluster/cli/ (and cluster/__main__.py)   entry points: the command line, the launcher, the benchmarks, the tiny
+    model
+      -> actors/         the Ray runtime, one subpackage per part, each importing only from those before it:
+                           host -> clients -> engine -> control -> frontend (`ACTOR_PARTS`, actors/__init__.py)
         -> cluster/core/     the pure core: shapes, layouts, planner, registry, deploy config, wire format
 
 Each directory holds one layer. `python tests/test_layers.py` draws the directories and the imports between them.
 
 A module imports from its own layer or the ones below it, never above; the core imports neither Ray, vLLM, NIXL nor
 the model stack (torch, transformers). And no
-module but `actors/engine_client.py` calls an engine actor's methods, and none but `actors/coordinator_client.py` the
-coordinator's: everything else talks to them through `EngineClient` and `CoordinatorClient`."""
+module but `actors/clients/engine_client.py` calls an engine actor's methods, and none but
+`actors/clients/coordinator_client.py` the coordinator's: everything else talks to them through `EngineClient` and
+`CoordinatorClient`."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"core": 0, "actors": 1, "entry": 2}
-# the core stays light: no runtime and no model stack (the tiny-model builder, torch and transformers, is an entry point)
+# the core stays light: no runtime and no model stack (the tiny-model builder, torch and transformers, is an entry
+# point)
 CORE_NEVER_IMPORTS = ("ray", "vllm", "torch", "transformers", "tokenizers", "safetensors", "nixl")
 
 
@@ -67,7 +71,10 @@ def imports_in(source: str) -> list[tuple[int, str]]:
     return out
 
 
-SOURCES = sorted([*ROOT.glob("cluster/**/*.py"), *ROOT.glob("actors/*.py")])
+SOURCES = sorted([*ROOT.glob("cluster/**/*.py"), *ROOT.glob("actors/**/*.py")])
+TESTS = sorted(ROOT.glob("tests/**/*.py"))
+# the parts of actors/, in the order their imports may run (a part imports from itself and the parts before it)
+ACTOR_PARTS = {"host": 0, "clients": 1, "engine": 2, "control": 3, "frontend": 4}
 
 
 def test_every_source_is_in_a_layer():
@@ -103,7 +110,8 @@ def test_the_picture_has_no_arrow_up():
     rank = {d: LAYERS[layer_of_file(ROOT / d / "x.py")] for d in edges}
     up = [(a, b) for a, targets in edges.items() for b in targets
           if LAYERS[layer_of_file(ROOT / b / "x.py")] > rank[a]]
-    assert not up and edges["cluster/cli"].keys() >= {"actors", "cluster/core"}, (up, edges)
+    assert not up and "cluster/core" in edges["cluster/cli"], (up, edges)
+    assert any(d.startswith("actors/") for d in edges["cluster/cli"]), edges
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -117,16 +125,48 @@ def test_imports_run_one_way(path):
         assert not runtime, f"{path.relative_to(ROOT)} is in the pure core but imports {runtime}"
 
 
+def part_of(name: str) -> str | None:
+    """The part of actors/ module `name` is in (`actors.engine.actor` -> engine); None outside actors/."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "actors" and len(parts) > 1 and parts[1] in ACTOR_PARTS else None
+
+
+def test_every_actors_module_is_in_a_part():
+    """actors/ holds its parts' folders and nothing else (its __init__ says what each is)."""
+    actors = [p.relative_to(ROOT / "actors") for p in SOURCES if p.parts[len(ROOT.parts)] == "actors"]
+    loose = [str(p) for p in actors if len(p.parts) == 1 and p.name != "__init__.py"]
+    assert not loose, f"modules of actors/ outside its parts: {loose}"
+    assert {p.parts[0] for p in actors if len(p.parts) > 1} == set(ACTOR_PARTS)
+    assert all((ROOT / "actors" / part / "__init__.py").read_text().startswith('"""') for part in ACTOR_PARTS)
+
+
+ACTOR_SOURCES = [p for p in SOURCES if p.parts[len(ROOT.parts)] == "actors" and p.parent.name in ACTOR_PARTS]
+
+
+@pytest.mark.parametrize("path", ACTOR_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_actors_parts_import_in_order(path):
+    mine = ACTOR_PARTS[path.parent.name]
+    later = [(line, name) for line, name in imports(path)
+             if (part := part_of(name)) is not None and ACTOR_PARTS[part] > mine]
+    assert not later, f"{path.relative_to(ROOT)} ({path.parent.name}) imports from a part after it: {later}"
+
+
+def test_the_part_check_sees_a_later_part():
+    names = [n for _, n in imports_in("from actors.frontend.router import Router\nfrom actors.host.cores import x\n")]
+    assert [part_of(n) for n in names] == ["frontend", "host"] and part_of("cluster.core.planner") is None
+
+
 def test_the_check_sees_an_upward_import():
     """The oracle can fail: what a core module importing the router, Ray and a sibling would be judged."""
-    names = [n for _, n in imports_in("from actors.router import Router\nimport ray\nfrom cluster.cli import launch\n"
+    names = [n for _, n in imports_in("from actors.frontend.router import Router\nimport ray\n"
+                                      "from cluster.cli import launch\n"
                                       "def f():\n    from cluster.core.planner import plan_pair\n")]
-    assert names == ["actors.router", "ray", "cluster.cli.launch", "cluster.core.planner"]
+    assert names == ["actors.frontend.router", "ray", "cluster.cli.launch", "cluster.core.planner"]
     assert [layer_of_module(n) for n in names] == ["actors", None, "entry", "core"]
 
 
-# ---- engines are reached only through actors/engine_client.py ------------------------------------------------------
-CLIENT = ROOT / "actors" / "engine_client.py"
+# ---- engines are reached only through actors/clients/engine_client.py ------------------------------------------
+CLIENT = ROOT / "actors" / "clients" / "engine_client.py"
 
 
 def remote_methods(classes: set[str] | None = None, exclude: set[str] = frozenset()) -> set[str]:
@@ -161,7 +201,7 @@ def actor_calls(source: str) -> list[tuple[int, str]]:
     return out
 
 
-@pytest.mark.parametrize("path", [p for p in sorted([*SOURCES, *ROOT.glob("tests/*.py")]) if p != CLIENT],
+@pytest.mark.parametrize("path", [p for p in sorted([*SOURCES, *TESTS]) if p != CLIENT],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_engines_are_called_only_through_the_engine_client(path):
     calls = [(line, m) for line, m in actor_calls(path.read_text()) if m in ENGINE_ONLY]
@@ -177,13 +217,13 @@ def test_the_engine_client_check_sees_a_direct_call():
 
 
 def test_every_engine_method_has_a_client_method():
-    from actors.engine_client import EngineClient
+    from actors.clients.engine_client import EngineClient
 
     assert not remote_methods(ENGINE_CLASSES) - set(dir(EngineClient)), "engine methods EngineClient does not offer"
 
 
-# ---- the coordinator is reached only through actors/coordinator_client.py ------------------------------------------
-COORDINATOR_CLIENT = ROOT / "actors" / "coordinator_client.py"
+# ---- the coordinator is reached only through actors/clients/coordinator_client.py ------------------------------
+COORDINATOR_CLIENT = ROOT / "actors" / "clients" / "coordinator_client.py"
 
 
 def actor_classes() -> set[str]:
@@ -201,7 +241,7 @@ def actor_classes() -> set[str]:
 COORDINATOR_ONLY = remote_methods({"CoordinatorActor"}) - remote_methods(actor_classes() - {"CoordinatorActor"})
 
 
-@pytest.mark.parametrize("path", [p for p in sorted([*SOURCES, *ROOT.glob("tests/*.py")]) if p != COORDINATOR_CLIENT],
+@pytest.mark.parametrize("path", [p for p in sorted([*SOURCES, *TESTS]) if p != COORDINATOR_CLIENT],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_coordinator_is_called_only_through_its_client(path):
     calls = [(line, m) for line, m in actor_calls(path.read_text()) if m in COORDINATOR_ONLY]
@@ -217,7 +257,7 @@ def test_the_coordinator_client_check_sees_a_direct_call():
 
 
 def test_every_coordinator_method_has_a_client_method():
-    from actors.coordinator_client import CoordinatorClient
+    from actors.clients.coordinator_client import CoordinatorClient
 
     assert not remote_methods({"CoordinatorActor"}) - set(dir(CoordinatorClient)), \
         "coordinator methods CoordinatorClient does not offer"
@@ -227,7 +267,7 @@ def test_every_coordinator_method_has_a_client_method():
 def _worker_methods() -> tuple[set[str], set[str]]:
     """(the `pd_` methods `PlannedPullWorker` defines, the names `PD_METHODS` lets `pd_call` run), read from the
     source (importing the connector would import vLLM)."""
-    tree = ast.parse((ROOT / "actors" / "connector.py").read_text())
+    tree = ast.parse((ROOT / "actors" / "engine" / "connector.py").read_text())
     worker = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PlannedPullWorker")
     defined = {f.name for f in worker.body if isinstance(f, ast.FunctionDef) and f.name.startswith("pd_")}
     allowed = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "PD_METHODS")
@@ -237,7 +277,7 @@ def _worker_methods() -> tuple[set[str], set[str]]:
 def test_every_connector_worker_method_has_a_ranks_method():
     """`ConnectorRanks` (what the engine actor calls) and the worker's `pd_` methods (what runs on each rank) are the
     same set, and `pd_call` runs exactly those."""
-    from actors.connector_ranks import ConnectorRanks
+    from actors.engine.connector_ranks import ConnectorRanks
 
     defined, allowed = _worker_methods()
     ranks = {f"pd_{name}" for name in vars(ConnectorRanks) if not name.startswith("_")}

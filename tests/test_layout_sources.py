@@ -1,5 +1,5 @@
 """The two sources of an engine layout agree: offline (HF config + TP) and run-time (what vLLM builds for an engine:
-its hybrid block-size alignment, KV cache groups and specs, read out by actors/engine_report.py)."""
+its hybrid block-size alignment, KV cache groups and specs, read out by actors/engine/report.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def vllm_engine_report(model_dir, cfg: dict, tp: int, block_size: int | None):
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from actors.engine_report import report_from_vllm
+    from actors.engine.report import report_from_vllm
 
     vc = EngineArgs(
         model=str(model_dir), skip_tokenizer_init=True, tensor_parallel_size=tp, dtype="bfloat16", max_model_len=1024,

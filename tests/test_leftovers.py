@@ -16,8 +16,8 @@ import psutil
 import pytest
 import ray
 
-from actors.engine import launch_engine_actor, stop_engine_actors
-from actors.engine_procs import OWNER_FILE
+from actors.engine.actor import launch_engine_actor, stop_engine_actors
+from actors.engine.procs import OWNER_FILE
 from cluster.cli.bench.faults import kill_engine
 from tests.pd_helpers import PDCluster, decode_stream, engine_shm, wait_for
 
@@ -46,7 +46,7 @@ def test_a_pair_removed_with_a_read_in_flight_lets_go_of_its_nixl_agents(ray_loc
         want = asyncio.run(decode_stream(decode, prompt, None))  # colocated reference (and a warm decode engine)
         params = ray.get(prefill.prefill(prompt, "held-read")).kv_transfer_params
         names = sorted(ray.get(decode.remote_agents(p_id))[0])
-        assert names  # loaded by the pair's first transfer, before the pair was listed (actors.coordinator)
+        assert names  # loaded by the pair's first transfer, before the pair was listed (actors.control.coordinator)
         stopped = ray.get(prefill.pids())[1:]  # its vLLM processes (the actor answers; NIXL's threads do not)
         _signal(stopped, signal.SIGSTOP)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

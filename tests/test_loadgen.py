@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from actors.engine_settings import free_port
+from actors.engine.settings import free_port
 from cluster.cli.bench.loadgen import run_load
 
 KINDS = ["retry_after", "bad_request", "complete", "error_event", "server_error", "bare_503", "truncated"]

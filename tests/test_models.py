@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster.cli import tiny_circuit as circuit
 from cluster.cli import tiny_model as models
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ def built(kind: str, seed: int, tmp_path_factory) -> object:
     return BUILT[(kind, seed)]
 
 
-@pytest.mark.parametrize("kind", models.KINDS)
+@pytest.mark.parametrize("kind", circuit.KINDS)
 def test_builds_in_seconds_with_the_files_vllm_loads(kind, tmp_path_factory):
     path, seconds = built(kind, 0, tmp_path_factory)
     assert seconds < 30, f"building {kind} took {seconds:.1f} s"
@@ -35,7 +36,7 @@ def test_builds_in_seconds_with_the_files_vllm_loads(kind, tmp_path_factory):
         assert (path / name).is_file(), name
 
 
-@pytest.mark.parametrize("kind", models.KINDS)
+@pytest.mark.parametrize("kind", circuit.KINDS)
 def test_weights_are_a_function_of_the_seed(kind, tmp_path_factory):
     first = (built(kind, 0, tmp_path_factory)[0] / "model.safetensors").read_bytes()
     again = tmp_path_factory.mktemp("again") / kind
@@ -45,7 +46,7 @@ def test_weights_are_a_function_of_the_seed(kind, tmp_path_factory):
     assert other != first
 
 
-@pytest.mark.parametrize("kind", models.KINDS)
+@pytest.mark.parametrize("kind", circuit.KINDS)
 def test_head_counts_shard_at_tp_1_2_4(kind, tmp_path_factory):
     config = json.loads((built(kind, 0, tmp_path_factory)[0] / "config.json").read_text())
     heads = [config["num_attention_heads"], config["num_key_value_heads"]]
@@ -99,12 +100,12 @@ def test_tokenizer_round_trips_text(tmp_path_factory):
     ids = tok(text)["input_ids"]
     assert ids[0] == tok.bos_token_id == 1 and tok.eos_token_id == 2
     assert tok.decode(ids, skip_special_tokens=True) == text
-    assert len(tok) == models.VOCAB_SIZE
+    assert len(tok) == circuit.VOCAB_SIZE
     assert len(ids) < len(text.encode())  # merges were learned
     # the think markers: one ordinary token each (kept in decoded text), the vocabulary's last two ids
     think = tok("a <think>plan</think> b", add_special_tokens=False)["input_ids"]
     marks = [tok.convert_tokens_to_ids(t) for t in models.THINK]
-    assert marks == [models.VOCAB_SIZE - 2, models.VOCAB_SIZE - 1] and all(think.count(m) == 1 for m in marks)
+    assert marks == [circuit.VOCAB_SIZE - 2, circuit.VOCAB_SIZE - 1] and all(think.count(m) == 1 for m in marks)
     assert tok.decode(think, skip_special_tokens=True) == "a <think>plan</think> b"
 
 
@@ -132,18 +133,18 @@ def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]
 @pytest.mark.parametrize("kind", ["gdn", "gdn-asym", "mamba2"])
 def test_hybrid_models_follow_their_rule_with_wide_margins(kind):
     """The circuit in transformers: tokens match `expected_next_token`, bf16 == fp32, top-1/top-2 margin > 4."""
-    model = models.make_model(kind, 0)
+    model = circuit.make_model(kind, 0)
     g = torch.Generator().manual_seed(1)
-    prompt = [1] + torch.randint(3, models.VOCAB_SIZE, (40,), generator=g).tolist()
+    prompt = [1] + torch.randint(3, circuit.VOCAB_SIZE, (40,), generator=g).tolist()
     out, margins = greedy(model, prompt, 12)
     ids = list(prompt)
     for token in out:
-        assert token == models.expected_next_token(ids, kind=kind)
+        assert token == circuit.expected_next_token(ids, kind=kind)
         ids.append(token)
     assert min(margins) > 4
     assert greedy(model.float(), prompt, 12)[0] == out
     # the context matters: change early tokens (not the last three) and the continuation changes
-    other = prompt[:1] + torch.randint(3, models.VOCAB_SIZE, (37,), generator=g).tolist() + prompt[-3:]
+    other = prompt[:1] + torch.randint(3, circuit.VOCAB_SIZE, (37,), generator=g).tolist() + prompt[-3:]
     assert greedy(model.to(torch.bfloat16), other, 12)[0] != out
 
 
@@ -167,7 +168,7 @@ def test_every_state_byte_class_changes_the_output(kind):
     overwritten with noise at a time: each conv channel group (GDN Q, K, V; Mamba2 x, B, C) and each conv row in
     every mixer layer, each recurrent head of each layer, attention K and V - the next token changes every time.
     transformers keeps the conv state's last 4 inputs; the 3 newest of them are the rows vLLM transfers."""
-    model = models.make_model(kind, 0)
+    model = circuit.make_model(kind, 0)
     cfg = model.config
     if kind == "mamba2":
         inner = cfg.mamba_expand * cfg.hidden_size
@@ -175,14 +176,14 @@ def test_every_state_byte_class_changes_the_output(kind):
     else:
         q = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         splits, heads = [0, q, 2 * q, None], cfg.linear_num_value_heads
-    probes = models.probe_prompts(kind)
+    probes = circuit.probe_prompts(kind)
     gen = torch.Generator().manual_seed(0)
 
     def noise(t):
         t.copy_(4 * torch.randn(t.shape, generator=gen).to(t.dtype))
 
     def every_layer(fn):
-        return lambda layers: [fn(layers[i]) for i in range(models.MIXER_LAYERS)]
+        return lambda layers: [fn(layers[i]) for i in range(circuit.MIXER_LAYERS)]
 
     damages = {
         **{f"conv channels {i}": ("self", every_layer(lambda la, a=a, b=b: noise(la.conv_states[0][:, a:b, 1:])))
@@ -192,7 +193,7 @@ def test_every_state_byte_class_changes_the_output(kind):
         "attention K": ("self", lambda layers: noise(layers[3].keys)),
         "attention V": ("self", lambda layers: noise(layers[3].values)),
     }
-    for layer in range(models.MIXER_LAYERS):
+    for layer in range(circuit.MIXER_LAYERS):
         for head in range(heads):
             damages[f"recurrent layer {layer} head {head}"] = (
                 f"layer {layer} head {head}",
@@ -201,7 +202,7 @@ def test_every_state_byte_class_changes_the_output(kind):
     for name, (probe, damage) in damages.items():
         prompt = probes[probe]
         clean = hf_decode(model, prompt)
-        assert clean[0] == models.expected_next_token(prompt, kind=kind)
+        assert clean[0] == circuit.expected_next_token(prompt, kind=kind)
         if hf_decode(model, prompt, damage)[0] == clean[0]:
             unchanged.append(name)
     assert not unchanged, f"{kind}: noise in these byte classes leaves the next token as it was: {unchanged}"

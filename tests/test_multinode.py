@@ -9,8 +9,9 @@ the test is an HTTP client of each.
 
 Then the decode node is removed (every process in its namespace SIGKILLed): streams in flight continue on the
 prefill engine (degraded mode), new requests are answered, `/health` says degraded, nothing hangs and the surviving
-prefill engine holds no blocks for the dead requests; the decode node's front end went with it, the others serve. Last, `ray job stop` shuts the cluster down: the launcher's
-clean-up runs to its end, no engine process is left, the HTTP endpoint is gone.
+prefill engine holds no blocks for the dead requests; the decode node's front end went with it, the others serve. Last,
+`ray job stop` shuts the cluster down: the launcher's clean-up runs to its end, no engine process is left, the HTTP
+endpoint is gone.
 
 Needs root (network namespaces); traffic goes only to addresses inside the namespaces this test made."""
 
@@ -35,9 +36,9 @@ import psutil
 import pytest
 import yaml
 
-from actors.cores import thread_affinities
-from actors.engine_settings import free_port
-from actors.engine_procs import SHM_PREFIXES
+from actors.host.cores import thread_affinities
+from actors.engine.settings import free_port
+from actors.engine.procs import SHM_PREFIXES
 from cluster.core.cores import parse_cores
 from tests.pd_helpers import end_processes_under, metric, oracle, processes_under, wait_for
 
@@ -139,7 +140,7 @@ def ask_ray(env: dict[str, str], script: str) -> object:
 
 
 FREE_BLOCKS = f"""
-from actors.engine_client import EngineClient
+from actors.clients.engine_client import EngineClient
 free = {{}}
 for e in ray.get(ray.get_actor("pd-coordinator", namespace="{NAMESPACE}").describe.remote())["engines"]:
     try:
@@ -237,7 +238,7 @@ def test_pools_on_their_own_nodes_with_nixl_over_tcp(nodes):
     interface receives at least the bytes NIXL read), every transfer is verified, and the answers are the model's."""
     hosts, env, url = nodes["hosts"], nodes["env"], nodes["url"]
     where = ask_ray(env, f"""
-from actors.engine_client import EngineClient
+from actors.clients.engine_client import EngineClient
 ips = {{n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}}
 ids = ray.get(ray.get_actor("pd-coordinator", namespace="{NAMESPACE}").describe.remote())["engines"]
 print(json.dumps({{e: ips[ray.get(EngineClient.named(e, "{NAMESPACE}").node_id())] for e in ids}}))
@@ -246,7 +247,7 @@ print(json.dumps({{e: ips[ray.get(EngineClient.named(e, "{NAMESPACE}").node_id()
     # cores as devices across nodes: each engine owns cores of its own node (PD_NODE_CORES there), one per TP rank,
     # and every thread of its vLLM processes runs on them
     owned = ask_ray(env, f"""
-from actors.engine_client import EngineClient
+from actors.clients.engine_client import EngineClient
 ids = ray.get(ray.get_actor("pd-coordinator", namespace="{NAMESPACE}").describe.remote())["engines"]
 print(json.dumps({{e: [ray.get(EngineClient.named(e, "{NAMESPACE}").cores()),
                       ray.get(EngineClient.named(e, "{NAMESPACE}").pids())[1:]] for e in ids}}))

@@ -1,6 +1,6 @@
-"""NIXL's progress-thread delay (actors/nixl_setup.py): the substitution reaches the agent's config, and a READ from an
-agent that makes no NIXL call of its own - only its progress thread can serve it, as for a prefill engine between
-steps - completes promptly at the project's default delay (1 s), with every byte and notification delivered. The
+"""NIXL's progress-thread delay (actors/engine/nixl_setup.py): the substitution reaches the agent's config, and a READ
+from an agent that makes no NIXL call of its own - only its progress thread can serve it, as for a prefill engine
+between steps - completes promptly at the project's default delay (1 s), with every byte and notification delivered. The
 same READ from an agent without a progress thread stalls: the check sees the passive side's progress."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ STALL_S = 3.0  # a READ not done by then is stalled (a prompt one takes millisec
 def test_delay_reaches_the_agent_config() -> None:
     probe = (
         "import json\n"
-        "from actors.nixl_setup import PROGRESS_DELAY_US, install_progress_delay\n"
+        "from actors.engine.nixl_setup import PROGRESS_DELAY_US, install_progress_delay\n"
         "import nixl._api as api\n"
         "install_progress_delay()\n"
         "c = api.nixlBind.nixlAgentConfig(); c.pthrDelay = 0\n"
@@ -38,9 +38,9 @@ def test_delay_reaches_the_agent_config() -> None:
 
 
 def _agent(name: str, prog_thread: bool):
-    from actors.nixl_setup import install_progress_delay
+    from actors.engine.nixl_setup import install_progress_delay
 
-    install_progress_delay()  # as actors/connector.py does before vLLM creates its agents
+    install_progress_delay()  # as actors/engine/connector.py does before vLLM creates its agents
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=prog_thread, backends=["UCX"]))

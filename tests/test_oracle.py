@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from actors.engine_settings import free_port
+from actors.engine.settings import free_port
 from cluster.cli.oracle import Checked, random_prompts, report
 
 

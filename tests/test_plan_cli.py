@@ -110,8 +110,8 @@ def matches(typ: str, value) -> bool:
 
 @pytest.fixture(scope="module")
 def tiny_configs(tmp_path_factory):
-    """config.json of each builtin tiny model (`cluster.cli.tiny_model.model_config`), one directory per kind."""
-    from cluster.cli.tiny_model import KINDS, model_config
+    """config.json of each builtin tiny model (`cluster.cli.tiny_circuit.model_config`), one directory per kind."""
+    from cluster.cli.tiny_circuit import KINDS, model_config
 
     root = tmp_path_factory.mktemp("tiny-configs")
     for kind in KINDS:

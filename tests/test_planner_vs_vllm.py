@@ -1,8 +1,8 @@
 """Differential tests: our pure-Python layout / transfer planner against the installed vLLM 0.32 code it mirrors.
 
-Each test computes the same quantity twice - once with `cluster.core.layout` / `cluster.core.planner`, once by calling vLLM's
-own helpers (conv-state split, TP mapping, kernel block expansion, hybrid block-size alignment) - and asserts that
-the two agree. vLLM is used only as an oracle; nothing here starts an engine.
+Each test computes the same quantity twice - once with `cluster.core.layout` / `cluster.core.planner`, once by calling
+vLLM's own helpers (conv-state split, TP mapping, kernel block expansion, hybrid block-size alignment) - and asserts
+that the two agree. vLLM is used only as an oracle; nothing here starts an engine.
 
 Known vLLM limitation (not covered by the differential tests, documented by `test_known_vllm_mamba2_group_bug`):
 for Mamba2 with n_groups not a multiple of the TP sizes, vLLM's `remote_conv_offsets` cannot see that B/C groups
@@ -534,12 +534,12 @@ def test_hybrid_block_and_page_size_match_vllm(tmp_path, variant: str, tp: int, 
 
 
 def test_the_connector_checks_the_vllm_internals_it_overrides():
-    """actors.connector overrides and calls private methods of vLLM 0.32's NIXL worker; a vLLM in which one is
+    """actors.engine.connector overrides and calls private methods of vLLM 0.32's NIXL worker; a vLLM in which one is
     renamed or lost a parameter must stop the engine at import, naming the installed version - an override of a
     renamed method would never run, and the stock reads would go on without the coordinator's plan."""
     import vllm
 
-    from actors.connector import VLLM_INTERNALS, PlannedPullWorker, VLLMInternalsChanged, check_vllm_internals
+    from actors.engine.connector import VLLM_INTERNALS, PlannedPullWorker, VLLMInternalsChanged, check_vllm_internals
 
     check_vllm_internals()  # the installed vLLM has them all
     for name in ("_nixl_handshake", "_read_blocks_for_req", "_pop_done_transfers"):

@@ -9,7 +9,7 @@ import random
 import pytest
 import ray
 
-from cluster.cli.tiny_model import expected_next_token
+from cluster.cli.tiny_circuit import expected_next_token
 from tests.pd_helpers import PDCluster, colocated, gather, oracle, run_pair
 
 pytestmark = pytest.mark.engine

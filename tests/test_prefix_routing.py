@@ -127,7 +127,7 @@ def test_decode_choice_is_load_first_then_bytes_not_read():
 def test_an_engine_records_the_checkpoint_before_the_prompt_end_and_learns_from_vllm():
     """vLLM keeps a prefill's state at the last block boundary strictly before the prompt's end (8 tokens of 4-token
     blocks: at 4), whatever the prefill computed; a prediction vLLM contradicts is counted and dropped."""
-    from actors.engine_prefix import EnginePrefixes
+    from actors.engine.prefix import EnginePrefixes
     from cluster.core.metrics import TransferTotals
 
     totals = TransferTotals()
@@ -166,8 +166,8 @@ def test_a_record_keeps_the_first_blocks_it_holds_and_versions_them():
 
 
 def test_an_engine_sends_its_first_blocks_only_when_they_changed(monkeypatch):
-    from actors import engine_prefix
-    from actors.engine_prefix import EnginePrefixes
+    from actors.engine import prefix as engine_prefix
+    from actors.engine.prefix import EnginePrefixes
     from cluster.core.metrics import TransferTotals
 
     e = EnginePrefixes(TransferTotals())
@@ -197,7 +197,7 @@ class Engines:
     `EngineActor` does; the questions asked are counted, and an engine in `silent` does not answer `prefix_roots`."""
 
     def __init__(self, *ids: str):
-        from actors.engine_prefix import EnginePrefixes
+        from actors.engine.prefix import EnginePrefixes
         from cluster.core.metrics import TransferTotals
 
         self.prefixes = {e: EnginePrefixes(TransferTotals()) for e in ids}
@@ -229,8 +229,8 @@ def test_the_router_asks_the_engines_only_about_prompts_one_may_hold(monkeypatch
     again after its engine evicted it is remembered though a copy taken meanwhile lacks it. An engine that does not
     send its set is asked about every prompt; a prompt of one block is never asked about; an engine that leaves is
     forgotten."""
-    from actors import pair_choice
-    from actors.pair_choice import PairChoice
+    from actors.frontend import pair_choice
+    from actors.frontend.pair_choice import PairChoice
 
     async def run():
         engines = Engines("p0", "p1")
@@ -293,8 +293,8 @@ def test_a_copy_under_way_when_an_event_loop_ends_is_asked_again_from_the_next(m
     """A caller that runs each batch under its own asyncio.run: a question left unanswered when its loop ends is
     asked again from the next loop, and the copy the router had stays in use meanwhile (nobody asked about a prompt
     no engine holds)."""
-    from actors import pair_choice
-    from actors.pair_choice import PairChoice
+    from actors.frontend import pair_choice
+    from actors.frontend.pair_choice import PairChoice
 
     engines = Engines("p0", "p1")
     choice = PairChoice("cache", resumable=engines.resumable, roots=engines.roots)

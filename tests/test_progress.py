@@ -1,4 +1,4 @@
-"""Stuck or busy (`cluster.core.progress.StallRule`, `actors.engine_progress`): an engine whose EngineCore has not
+"""Stuck or busy (`cluster.core.progress.StallRule`, `actors.engine.progress`): an engine whose EngineCore has not
 answered past its threshold is stuck when a process of it is stopped or its processes idle, busy (waited for, up to
 its limit) while they burn CPU or wait on a held compile lock. The rule is replayed over readings recorded from a live
 engine (tests/data/progress-readings.json: a compile, a SIGSTOP, a long prefill, idle spells), and `ProcessTree`'s
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from actors.engine_progress import ProcessTree, ProgressWatch
+from actors.engine.progress import ProcessTree, ProgressWatch
 from cluster.core.progress import Reading, StallRule, cpu_used, default_busy_limit_s
 
 DATA = Path(__file__).parent / "data" / "progress-readings.json"

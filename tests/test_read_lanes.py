@@ -1,5 +1,5 @@
-"""Read lanes: one NIXL READ run on several UCX threads (actors/nixl_setup.py `install_read_lanes`), its descriptors laid
-out by `cluster.core.planner.lane_rows` so that every thread copies an equal share.
+"""Read lanes: one NIXL READ run on several UCX threads (actors/engine/nixl_setup.py `install_read_lanes`), its
+descriptors laid out by `cluster.core.planner.lane_rows` so that every thread copies an equal share.
 
 Pure parts: `lane_rows` moves exactly the bytes it is given (every source byte to the same destination, once), in a
 multiple of `lanes` rows whose consecutive runs carry equal bytes; `rank_cores` reads a rank's cores from vLLM's
@@ -112,7 +112,7 @@ def test_rank_cores_follow_vllms_binding() -> None:
 
 
 def test_read_lanes_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from actors.nixl_setup import MAX_READ_LANES, READ_LANES_ENV, read_lanes
+    from actors.engine.nixl_setup import MAX_READ_LANES, READ_LANES_ENV, read_lanes
 
     monkeypatch.setenv(READ_LANES_ENV, "3")
     assert read_lanes() == min(3, MAX_READ_LANES)
@@ -126,13 +126,14 @@ def test_read_lanes_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert read_lanes() == min(len(os.sched_getaffinity(0)), MAX_READ_LANES)
 
 
-# ---- real NIXL: a READ split over two UCX threads ---------------------------------------------------------------------
+# ---- real NIXL: a READ split over two UCX threads
+# ---------------------------------------------------------------------
 def _agent(name: str, lanes: int):
     os.environ["PD_NIXL_READ_LANES"] = str(lanes)
-    from actors.nixl_setup import install_progress_delay, install_read_lanes
+    from actors.engine.nixl_setup import install_progress_delay, install_read_lanes
 
     install_progress_delay()
-    install_read_lanes()  # as actors/connector.py does before vLLM creates its agents
+    install_read_lanes()  # as actors/engine/connector.py does before vLLM creates its agents
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
@@ -162,7 +163,7 @@ def _cpu_ns(tid: str) -> int:
 
 
 def _initiator(to_initiator, from_initiator, results) -> None:
-    from actors.nixl_setup import agent_read_lanes
+    from actors.engine.nixl_setup import agent_read_lanes
 
     meta, base = to_initiator.get()
     expected = np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)

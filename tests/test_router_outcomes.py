@@ -1,11 +1,12 @@
 """How the router ends a request whose decode engine ends it abnormally. Stand-ins for the coordinator and engines
-(speaking `EngineClient`'s calls: prefill, decode_channel, submit_decode, release, abort; outputs are vLLM's own objects)
-(a mock, for faults too slow or racy to cause for real here): an engine stopped under a request (vLLM's finish_reason
-"abort", what a scale-down past its drain timeout does), a state read that failed ("error"), an engine gone between
-the coordinator's answer and the call. Never a short answer reported as a success; a failure before the first token
-is retried once on a pair without the engine at fault; a failover that finds no engine waits for one to join. The real
-versions: tests/test_disagg_gdn.py (a read racing a prefill engine's departure), tests/test_autoscale.py (scale-down
-with requests in flight) and tests/test_faults.py (the last engine killed under a stream, a new one joining)."""
+(speaking `EngineClient`'s calls: prefill, decode_channel, submit_decode, release, abort; outputs are vLLM's own
+objects) (a mock, for faults too slow or racy to cause for real here): an engine stopped under a request (vLLM's
+finish_reason "abort", what a scale-down past its drain timeout does), a state read that failed ("error"), an engine
+gone between the coordinator's answer and the call. Never a short answer reported as a success; a failure before the
+first token is retried once on a pair without the engine at fault; a failover that finds no engine waits for one to
+join. The real versions: tests/test_disagg_gdn.py (a read racing a prefill engine's departure), tests/test_autoscale.py
+(scale-down with requests in flight) and tests/test_faults.py (the last engine killed under a stream, a new one
+joining)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.engine_client import Prefilled
-from actors.router import EngineFailure, NoCapacity, Router
+from actors.clients.engine_client import Prefilled
+from actors.frontend.router import EngineFailure, NoCapacity, Router
 
 
 def _ready(value):
@@ -204,7 +205,7 @@ def test_a_failover_waits_for_an_engine_only_so_long():
 def test_streams_waiting_for_an_engine_share_one_poll():
     """Ten streams whose only engine stopped under them wait together: the coordinator is asked for its lists about
     once per poll interval, not once per stream (a burst of failovers would otherwise be a burst of questions)."""
-    from actors.router import CAPACITY_POLL_S
+    from actors.frontend.router import CAPACITY_POLL_S
 
     coordinator = ChangingCoordinator({"d": FakeEngine([tokens(5), ABORT])}, ["d"])
     asked = []
@@ -239,7 +240,7 @@ class SilentEngine(FakeEngine):
         return _ready(None)
 
     async def stuck(self, timeout_s):
-        from actors.engine_client import Verdict
+        from actors.clients.engine_client import Verdict
 
         return Verdict("slow", f"no answer within {timeout_s:.0f} s")
 
@@ -498,8 +499,8 @@ def test_engines_that_left_the_routes_are_forgotten():
 def test_the_coordinator_checks_a_burst_of_reports_of_one_engine_once():
     """Reports of one engine arriving while it is being checked share that check: 50 at once ask the engine's
     health once, not 50 times (each a slot of the coordinator's 64 and a call to a possibly dead engine)."""
-    from actors.coordinator import CoordinatorActor
-    from actors.engine_client import Verdict
+    from actors.control.coordinator import CoordinatorActor
+    from actors.clients.engine_client import Verdict
 
     cls = CoordinatorActor.__ray_actor_class__
     coordinator = cls.__new__(cls)  # its state only: no Ray actor, no runtime context
@@ -525,10 +526,10 @@ def test_the_coordinator_checks_a_burst_of_reports_of_one_engine_once():
 
 def _registration(engine_id: str, role: str = "prefill"):
     """A real registration of a Qwen3.5-0.8B-shaped engine at TP 1: its Hugging Face config and one rank's layout
-    report as a running engine's worker writes it (`actors.engine_report`), here computed offline."""
+    report as a running engine's worker writes it (`actors.engine.report`), here computed offline."""
     from pathlib import Path
 
-    from actors.engine_client import Registration
+    from actors.clients.engine_client import Registration
     from cluster.core.hf_config import load_config, model_shape
     from cluster.core.layout import offline_layout
 
@@ -547,7 +548,7 @@ def test_an_engine_the_rebuilt_registry_already_holds_registers_again():
     included; the engine's own registration then arrives: it is the same engine, not a second one under a taken id,
     so it is answered with its pairs (it used to be refused, and its pool replica failed and took the engine with it).
     Another engine under that id is still refused - by the registry itself, naming the field."""
-    from actors.coordinator import CoordinatorActor
+    from actors.control.coordinator import CoordinatorActor
     from cluster.core.coordinator import Coordinator, EngineRecord, RegistrationError
     from cluster.core.hf_config import model_shape
     from cluster.core.layout import layout_from_report
@@ -580,7 +581,7 @@ def test_an_engine_the_rebuilt_registry_already_holds_registers_again():
 def test_an_engine_silent_for_longer_than_the_limit_is_unresponsive():
     """`Silence`: slow or unreachable answers in a row are a busy engine until they have lasted `limit_s`; then the
     engine is unresponsive (gone: taken out, replaced). Any answer ends the silence."""
-    from actors.engine_client import Silence, Verdict
+    from actors.clients.engine_client import Silence, Verdict
 
     slow, healthy = Verdict("slow", "no answer within 10 s"), Verdict("healthy", "healthy")
     silence = Silence(limit_s=60)
@@ -601,7 +602,7 @@ def test_an_engine_silent_for_longer_than_the_limit_is_unresponsive():
 def test_the_one_rule_for_an_engine_gone_silent(answers, stuck):
     """`EngineClient.stuck`, what a stalled decode stream and a prefill without an answer both go by: failed or dead
     at once, no healthy answer twice in a row (the second asked at once), else healthy (waited for)."""
-    from actors.engine_client import EngineClient, Verdict
+    from actors.clients.engine_client import EngineClient, Verdict
 
     asked = []
 
@@ -718,7 +719,7 @@ def test_a_wedged_coordinator_stops_the_watch_vouching_and_requests_fall_back(mo
     (WATCH_WAIT_S + ROUTES_FALLBACK_AFTER_S) the watch no longer vouches for the routes - a request asks, waits
     ROUTES_FALLBACK_AFTER_S and is routed on the last routes, as without a watch (`stale_routed`). Without the
     coordinator's watch call at all (an older coordinator), requests ask as before."""
-    import actors.router as router_module
+    import actors.frontend.router as router_module
 
     monkeypatch.setattr(router_module, "WATCH_WAIT_S", 0.2)
     monkeypatch.setattr(router_module, "ROUTES_FALLBACK_AFTER_S", 0.2)
@@ -756,7 +757,7 @@ def test_the_coordinator_answers_the_watch_when_the_routes_change():
     """`CoordinatorActor.routes_after`: at once when the caller's routes are not the current ones; held while they
     are, until they change - an engine's state set, an engine drained (scale-down), an engine deregistered - or until
     `wait_s` has passed."""
-    from actors.coordinator import CoordinatorActor
+    from actors.control.coordinator import CoordinatorActor
     from cluster.core.coordinator import Coordinator
 
     cls = CoordinatorActor.__ray_actor_class__

@@ -1,8 +1,8 @@
-"""What a dead engine leaves is swept (`actors.engine_procs.sweep_dead_engines`), whenever it died - loading included,
+"""What a dead engine leaves is swept (`actors.engine.procs.sweep_dead_engines`), whenever it died - loading included,
 when nobody could ask it what it held. Real processes play an engine actor (it makes its private TMPDIR, its owner
-file naming it, and maps a shared-memory segment of vLLM's kind) and a vLLM process under it (its TMPDIR inherited): while
-the actor lives nothing of it is touched; once it is SIGKILLed its process is killed, its TMPDIR and segment removed -
-and a segment some live process maps stays, as does one too young to judge."""
+file naming it, and maps a shared-memory segment of vLLM's kind) and a vLLM process under it (its TMPDIR inherited):
+while the actor lives nothing of it is touched; once it is SIGKILLed its process is killed, its TMPDIR and segment
+removed - and a segment some live process maps stays, as does one too young to judge."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-import actors.engine_procs as procs
+import actors.engine.procs as procs
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = ("psm_hpdtest_",)  # the segments these tests make: the sweeps here touch no other file of the machine
@@ -24,7 +24,7 @@ OURS = ("psm_hpdtest_",)  # the segments these tests make: the sweeps here touch
 ENGINE = """
 import mmap, os, subprocess, sys, time
 sys.path.insert(0, {repo!r})
-from actors.engine_procs import private_tmpdir
+from actors.engine.procs import private_tmpdir
 tmpdir = private_tmpdir()
 fd = os.open({shm!r}, os.O_CREAT | os.O_RDWR, 0o600)
 os.ftruncate(fd, 4096)

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.coordinator_client import CoordinatorClient
-from actors.engine_pairs import EnginePairs
-from actors.engine_procs import LiveEngine
+from actors.clients.coordinator_client import CoordinatorClient
+from actors.engine.pairs import EnginePairs
+from actors.engine.procs import LiveEngine
 
 
 class Prefill:
@@ -83,7 +83,7 @@ def test_a_busy_prefill_engine_is_waited_for_and_the_workers_told(monkeypatch):
     """Checksums from a prefill engine in a long step come after the patience (10 s in the product): its verdict is
     asked each time the patience runs out, it is busy (not stuck), so the check waits for the answer - telling the
     decode workers the check goes on - rather than failing as "could not be checked"."""
-    import actors.engine_pairs as ep
+    import actors.engine.pairs as ep
 
     monkeypatch.setattr(ep, "CHECKSUM_PATIENCE_S", 0.1)
     p = SlowPrefill(0.35, verdicts=[])
@@ -99,8 +99,8 @@ def test_a_busy_prefill_engine_is_waited_for_and_the_workers_told(monkeypatch):
 
 def test_a_stuck_prefill_engine_fails_the_check_naming_why(monkeypatch):
     """The same wait ends as soon as the engine's verdict says stuck: the check fails with its reason."""
-    import actors.engine_pairs as ep
-    from actors.engine_client import Verdict
+    import actors.engine.pairs as ep
+    from actors.clients.engine_client import Verdict
 
     monkeypatch.setattr(ep, "CHECKSUM_PATIENCE_S", 0.1)
     stuck = Verdict("failed", "unhealthy (stuck: its EngineCore has not answered between steps for 12 s)")
@@ -116,7 +116,7 @@ def test_the_workers_keep_waiting_for_a_check_still_under_way():
     a check); a check the actor says is still under way (its prefill engine busy) starts that timeout again."""
     import time
 
-    from actors.connector import PlannedPullWorker
+    from actors.engine.connector import PlannedPullWorker
     from cluster.core.verify import VERIFY_TIMEOUT_S
 
     def worker() -> PlannedPullWorker:
@@ -144,7 +144,7 @@ def test_a_busy_prefill_engines_check_holds_up_no_other():
     """A decode engine's verify loop checks each prefill engine's requests on their own: while one prefill engine
     is in a long step (its checksums late), requests read from another get their verdicts at once, and reads that land
     meanwhile are still collected (they would time out in the workers otherwise)."""
-    from actors.engine_verify import EngineVerify
+    from actors.engine.verify import EngineVerify
     from cluster.core.metrics import TransferTotals
 
     def entry(req_id: str, prefill: str) -> dict:

@@ -1,7 +1,8 @@
-"""The project's vLLM plugin (actors/vllm_plugin.py), inert without its environment variables: PD_SHM_SPIN_S makes a
-prefill engine's message-queue readers nap past a short spin (CPU time far below wall time), where vLLM's own reader
-spins with sched_yield for a whole second; PD_CPU_KERNEL_BLOCK sets the CPU attention's kernel block (tests only);
-PD_GLOO_SHARED_DEVICE puts a process's gloo groups on one device (one TCP loop thread) and they still all-reduce."""
+"""The project's vLLM plugin (actors/engine/vllm_plugin.py), inert without its environment variables: PD_SHM_SPIN_S
+makes a prefill engine's message-queue readers nap past a short spin (CPU time far below wall time), where vLLM's own
+reader spins with sched_yield for a whole second; PD_CPU_KERNEL_BLOCK sets the CPU attention's kernel block (tests
+only); PD_GLOO_SHARED_DEVICE puts a process's gloo groups on one device (one TCP loop thread) and they still
+all-reduce."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import json, os, tempfile, time, zmq
-from actors.vllm_plugin import register
+from actors.engine.vllm_plugin import register
 from vllm.distributed.device_communicators import shm_broadcast
 stock = shm_broadcast.SpinCondition.wait
 register()
@@ -68,7 +69,7 @@ def test_a_reader_past_its_spin_naps():
 KERNEL_PROBE = """
 import json, os
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-from actors.vllm_plugin import register
+from actors.engine.vllm_plugin import register
 stock = CPUAttentionBackend.get_supported_kernel_block_sizes()
 got = {}
 for value in [None, "48", "0", "-32", "x", "64"]:  # unset first, and the one valid value last: it patches vLLM
@@ -98,7 +99,7 @@ def test_kernel_block_variable_sets_the_cpu_attention_kernel_block():
 GLOO_PROBE = """
 import json, os, sys
 import torch, torch.distributed as dist
-from actors.vllm_plugin import register
+from actors.engine.vllm_plugin import register
 register()
 rank, path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
@@ -139,6 +140,6 @@ def test_gloo_groups_share_one_device_and_still_reduce(tmp_path):
 
 
 def test_gloo_shared_device_variable_is_checked():
-    r = subprocess.run([sys.executable, "-c", "from actors.vllm_plugin import register; register()"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-c", "from actors.engine.vllm_plugin import register; register()"], cwd=REPO,
                        env=plugin_env(PD_GLOO_SHARED_DEVICE="yes"), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "PD_GLOO_SHARED_DEVICE" in r.stderr, r.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The warm-up's plan (`actors.engine_warmup`), on a stand-in vLLM engine that records what it is asked (the live
+"""The warm-up's plan (`actors.engine.warmup`), on a stand-in vLLM engine that records what it is asked (the live
 checks - that the warm-up leaves nothing to compile - are in tests/test_first_touch.py and test_busy_engines.py):
 every feature alone, then all of them in one batch, then a prompt past the step budget; the progress watch started
 before that long prompt; prompts clear of special tokens; each phase timed."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from actors.engine_warmup import feature_params, long_prompt_len, ordinary_ids, prompt_ids, warm_up
+from actors.engine.warmup import feature_params, long_prompt_len, ordinary_ids, prompt_ids, warm_up
 
 
 class Engine:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def frontend_settings(cluster: Cluster):
-    from actors.frontend import FrontendSettings
+    from actors.frontend.server import FrontendSettings
 
     cfg = cluster.cfg
     return FrontendSettings(
@@ -46,14 +46,14 @@ def chat_flags(cfg: DeployConfig) -> tuple[str, ...]:
 
 
 def start_http(cluster: Cluster, progress: Callable[[str], None] = say) -> str:
-    """Start the HTTP front ends (vLLM's OpenAI server over the cluster, `actors.frontend`): `http.replicas` processes
-    on this node (`http.location` head) or on every node alive now (every_node), all on http.host:http.port of their
-    node; returns the base URL of this node's (`Cluster.urls` has every node's). Ray restarts one that dies, on its
-    node, and it serves again by itself (`watch_frontends` says so)."""
+    """Start the HTTP front ends (vLLM's OpenAI server over the cluster, `actors.frontend.server`): `http.replicas`
+    processes on this node (`http.location` head) or on every node alive now (every_node), all on http.host:http.port of
+    their node; returns the base URL of this node's (`Cluster.urls` has every node's). Ray restarts one that dies, on
+    its node, and it serves again by itself (`watch_frontends` says so)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors.frontend import FRONTEND_ACTOR, HTTPFrontend, bind_host, listening_socket
+    from actors.frontend.server import FRONTEND_ACTOR, HTTPFrontend, bind_host, listening_socket
 
     cfg = cluster.cfg
     t0 = time.monotonic()

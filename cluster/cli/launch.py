@@ -1,14 +1,16 @@
 """Start and serve the cluster a deployment file describes, until stopped.
 
-    python -m cluster run deploy.yaml          # what `make run` and `ray job submit ... -- python -m cluster.cli.launch` run
+    python -m cluster run deploy.yaml          # what `make run` and `ray job submit ... -- python -m
+    cluster.cli.launch` run
 
 Builds the tiny model if the file names a builtin one, joins the Ray cluster (RAY_ADDRESS, as `ray job submit` sets
 it) or starts a local one, starts the coordinator and the prefill and decode pools as Ray Serve deployments (one
-replica = one engine; a pool with min_replicas < max_replicas autoscales on its own signal, see actors/autoscale.py),
-waits for their engines to load and register (progress every 10 s; the coordinator negotiates every pair), starts the
-HTTP front end (vLLM's OpenAI server over the cluster), checks it with one completion, prints the URL and a curl line, and serves until Ctrl-C / SIGTERM
-(`ray job stop`), printing scaling decisions and engines joining or leaving; then shuts down the front end, the pools
-(each engine drains first) and the coordinator.
+replica = one engine; a pool with min_replicas < max_replicas autoscales on its own signal, see
+actors/control/autoscale.py), waits for their engines to load and register (progress every 10 s; the coordinator
+negotiates every pair), starts the HTTP front end (vLLM's OpenAI server over the cluster), checks it with one
+completion, prints the URL and a curl line, and serves until Ctrl-C / SIGTERM (`ray job stop`), printing scaling
+decisions and engines joining or leaving; then shuts down the front end, the pools (each engine drains first) and the
+coordinator.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from cluster.cli.placement import check_chat, check_cores, check_placement, devi
 from cluster.core.config import DeployConfig, DeployError, load_deploy
 
 if TYPE_CHECKING:
-    from actors.coordinator_client import CoordinatorClient
-    from actors.engine_client import EngineClient
+    from actors.clients.coordinator_client import CoordinatorClient
+    from actors.clients.engine_client import EngineClient
 
 SERVE_CONTROL_LOOP_S = os.environ.get("PD_SERVE_CONTROL_LOOP_S", "0.5")  # Serve's controller loop period (Ray: 0.1)
 
@@ -41,7 +43,7 @@ SERVE_CONTROL_LOOP_S = os.environ.get("PD_SERVE_CONTROL_LOOP_S", "0.5")  # Serve
 class Cluster:
     cfg: DeployConfig
     model_dir: Path
-    coordinator: "CoordinatorClient"  # actors.coordinator_client
+    coordinator: "CoordinatorClient"  # actors.clients.coordinator_client
     engines: dict[str, EngineClient] = field(default_factory=dict)  # engine id -> client (pools: as of the last refresh)
     timings: dict[str, float] = field(default_factory=dict)
     url: str | None = None
@@ -54,7 +56,7 @@ class Cluster:
         """The engines registered with the coordinator now (pools grow and shrink): {engine id: client}."""
         import ray
 
-        from actors.engine_client import EngineClient
+        from actors.clients.engine_client import EngineClient
 
         found = {}
         for engine_id in ray.get(self.coordinator.describe())["engines"]:
@@ -81,7 +83,7 @@ def start_cluster(cfg: DeployConfig, progress: Callable[[str], None] = say, *, p
 
 
 def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
-    from actors.coordinator_client import CoordinatorClient
+    from actors.control.coordinator import start_coordinator
     from cluster.cli.real_model import builtin_model
 
     check_chat(cfg)  # refused before anything starts
@@ -96,14 +98,14 @@ def _start_coordinator(cfg: DeployConfig, progress: Callable[[str], None]) -> Cl
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    coordinator = CoordinatorClient.start(name=cfg.coordinator.name, namespace=cfg.coordinator.namespace,
+    coordinator = start_coordinator(name=cfg.coordinator.name, namespace=cfg.coordinator.namespace,
                                           get_if_exists=True, max_restarts=-1, scheduling_strategy=here)
     return Cluster(cfg, model_dir, coordinator)
 
 
 def engine_spec(cfg: DeployConfig, role: str, model_dir: str | Path):
     """How every engine of pool `role` starts under `cfg` (the one place the deploy config becomes engine options)."""
-    from actors.engine import EngineSpec
+    from actors.engine.actor import EngineSpec
 
     return EngineSpec(
         role=role, model_dir=str(model_dir), tp=getattr(cfg, role).tp, served_model=cfg.model.name,
@@ -114,7 +116,7 @@ def engine_spec(cfg: DeployConfig, role: str, model_dir: str | Path):
 
 def pool_spec(cluster: Cluster, role: str):
     """What each replica of a pool needs to start and register its engine."""
-    from actors.pool import PoolSpec
+    from actors.control.pool import PoolSpec
 
     cfg = cluster.cfg
     pool = getattr(cfg, role)
@@ -131,16 +133,16 @@ def _start_pools(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     import ray
     from ray import serve
 
-    from actors.pool import pool_app_name, pool_deployment
+    from actors.control.pool import pool_app_name, pool_deployment
 
     t0 = time.monotonic()
-    from actors.cores import free_cpus_per_node
+    from actors.host.cores import free_cpus_per_node
 
     check_placement(cfg, ray.nodes())
     for note in check_cores(cfg, ray.nodes(), free_cpus_per_node()):
         progress(note)
     cluster = _start_coordinator(cfg, progress)
-    # the pools take no HTTP: the front end (actors.frontend) serves it. Serve's controller wakes every 0.1 s by
+    # the pools take no HTTP: the front end (actors.frontend.server) serves it. Serve's controller wakes every 0.1 s by
     # default (5% of a core here, idle); every 0.5 s is ample for two pools scaled on seconds-long windows
     serve.start(proxy_location="Disabled", controller_options={
         "runtime_env": {"env_vars": {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": SERVE_CONTROL_LOOP_S}}})
@@ -198,7 +200,7 @@ def engine_phases(namespace: str, *, skip: set[str] = frozenset(), only: set[str
     asked of the engines themselves; engines in `skip` (registered already) left out, only those in `only` if given."""
     import ray
 
-    from actors.engine_client import ENGINE_PREFIX, EngineClient
+    from actors.clients.engine_client import ENGINE_PREFIX, EngineClient
 
     ids = sorted(a["name"][len(ENGINE_PREFIX):] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == namespace and a["name"].startswith(ENGINE_PREFIX))
@@ -233,10 +235,10 @@ def _phases(join: dict[str, Any], digits: int) -> str:
 def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster:
     import ray
 
-    from actors.engine import stop_engine_actors
+    from actors.engine.actor import stop_engine_actors
 
     t0 = time.monotonic()
-    from actors.cores import free_cpus_per_node
+    from actors.host.cores import free_cpus_per_node
 
     check_placement(cfg, ray.nodes())
     for note in check_cores(cfg, ray.nodes(), free_cpus_per_node()):
@@ -285,7 +287,7 @@ def _start_actors(cfg: DeployConfig, progress: Callable[[str], None]) -> Cluster
 def engine_launch(cfg: DeployConfig, role: str, model_dir: str, engine_id: str) -> dict[str, Any]:
     """What an engine of pool `role` is started with under `cfg` - its environment, GPUs and vLLM engine arguments -
     as the pools and `_start_actors` start it (for checks and `plan`-style inspection; starts nothing)."""
-    from actors.engine_settings import launch_env, vllm_engine_args
+    from actors.engine.settings import launch_env, vllm_engine_args
 
     spec = engine_spec(cfg, role, model_dir)
     opts = spec.device_options
@@ -342,8 +344,8 @@ def stop_cluster(cluster: Cluster, *, shutdown_serve: bool = False, progress: Ca
     import ray
     from ray import serve
 
-    from actors.engine import stop_engine_actors
-    from actors.engine_procs import sweep_nodes
+    from actors.engine.actor import stop_engine_actors
+    from actors.engine.procs import sweep_nodes
 
     stop_frontends(cluster, progress)
     try:  # an engine that died just before the stop: its files go now, not with the coordinator's clean-up
@@ -373,7 +375,7 @@ def _wait_engines_gone(namespace: str, timeout_s: float = 60.0) -> None:
     """Until no engine actor of `namespace` lives (Ray lists named actors until they are dead), at most `timeout_s`."""
     import ray
 
-    from actors.engine_client import ENGINE_PREFIX
+    from actors.clients.engine_client import ENGINE_PREFIX
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

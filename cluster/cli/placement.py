@@ -51,9 +51,9 @@ def device_options(cfg: DeployConfig, role: str, model_dir: str | Path) -> dict[
     """Engine options of pool `role`: prefix caching (`prefix_caching`). CPU: the KV/state cache size in DRAM, one
     block size for both pools (`cpu_block_size`), and on decode engines the transfer.verify fraction. CUDA: one GPU
     per TP rank, vLLM's share of its memory, and the DS conv-state layout (channels, state_len) that vLLM 0.32's
-    stock NIXL transfers are built for. The planner reads SD as well (CPU engines run it: actors.engine_settings.launch_env),
-    but no GPU run has measured SD against DS here, so CUDA engines stay on the layout vLLM's own P/D uses; a pool's
-    `env` may set VLLM_SSM_CONV_STATE_LAYOUT=SD."""
+    stock NIXL transfers are built for. The planner reads SD as well (CPU engines run it:
+    actors.engine.settings.launch_env), but no GPU run has measured SD against DS here, so CUDA engines stay on the
+    layout vLLM's own P/D uses; a pool's `env` may set VLLM_SSM_CONV_STATE_LAYOUT=SD."""
     from cluster.core.verify import VERIFY_ENV
 
     pool = getattr(cfg, role)

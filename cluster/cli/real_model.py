@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.core.hf_config import ConfigError, gdn_layer_types, load_config, model_shape, nemotron_pattern
-from cluster.cli.tiny_model import BENCH_KINDS, KINDS, MIN_VOCAB, source_hash, staged, stamped, tokenizer_hash
+from cluster.cli.tiny_circuit import BENCH_KINDS, KINDS
+from cluster.cli.tiny_model import MIN_VOCAB, source_hash, staged, stamped, tokenizer_hash
 from cluster.core.layout import dtype_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -237,7 +238,8 @@ def build(config_path: str | Path, out_dir: str | Path, layers: int | None = Non
     """Build the model of `config_path` into `out_dir` (replacing it; written beside it and renamed into place)."""
     import torch
 
-    from cluster.cli.tiny_model import VOCAB_SIZE, build_tokenizer
+    from cluster.cli.tiny_circuit import VOCAB_SIZE
+    from cluster.cli.tiny_model import build_tokenizer
 
     t0 = time.monotonic()
     cfg = load_config(config_path)

@@ -43,8 +43,8 @@ class ModelConfig(_Strict):
 
 class ScalingConfig(_Strict):
     """How a pool autoscales between min_replicas and max_replicas (Ray Serve autoscaling with this project's policy,
-    `actors/autoscale.py`). Each pool reads only its own signal: a prefill pool its queued prompt tokens, a decode pool
-    its running sequences and KV/state cache usage."""
+    `actors/control/autoscale.py`). Each pool reads only its own signal: a prefill pool its queued prompt tokens, a
+    decode pool its running sequences and KV/state cache usage."""
 
     target_queued_prompt_tokens: int = Field(
         2048, ge=1, description="prefill pool: prompt tokens waiting or in prefill per engine that the pool aims for")
@@ -62,8 +62,8 @@ class ScalingConfig(_Strict):
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RESOURCE_NAME = re.compile(r"[A-Za-z0-9_.:/-]+")
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-PER_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)  # each engine gets its own (actors.engine_settings.engine_env)
-# where the engines' compilers keep their work: `engines.compile_cache_dir` (actors.engine_settings.compile_cache_env)
+PER_ENGINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)  # each engine gets its own (actors.engine.settings.engine_env)
+# where the engines' compilers keep their work: `engines.compile_cache_dir` (actors.engine.settings.compile_cache_env)
 COMPILE_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR")
 
 
@@ -341,8 +341,8 @@ class EnginesConfig(_Strict):
         return v
 
     def env(self) -> dict[str, str]:
-        """The engines' environment for these settings (`actors.engine_settings.compile_cache_env`,
-        `actors.engine_progress.stall_rule`, `actors.engine.EngineActor.start`)."""
+        """The engines' environment for these settings (`actors.engine.settings.compile_cache_env`,
+        `actors.engine.progress.stall_rule`, `actors.engine.actor.EngineActor.start`)."""
         out = {} if self.warm_up else {"PD_ENGINE_WARMUP": "0"}
         if self.compile_cache_dir is not None:
             out["PD_COMPILE_CACHE_DIR"] = self.compile_cache_dir

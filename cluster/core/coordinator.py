@@ -1,5 +1,5 @@
 """The coordinator's state, free of Ray: a registry of engines, validated pairs and their cached plans, and transfer
-statistics. `actors/coordinator.py` wraps it in a named Ray actor and pushes plans to decode engines."""
+statistics. `actors/control/coordinator.py` wraps it in a named Ray actor and pushes plans to decode engines."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ On GPU hosts each engine owns its GPUs; on CPU hosts an engine that owns nothing
 kernel gives it, and a prefill engine's long prompt then stalls a decode engine's steps exactly as if both ran on
 one GPU. An engine of TP N that owns its cores takes `N * cores_per_rank` cores of its node; rank r computes on the
 r-th run of `cores_per_rank` of them (`omp_bind`: vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND). Which cores are free is
-known only on the node (`actors.cores` holds them with file locks that die with their holder); this module is the
+known only on the node (`actors.host.cores` holds them with file locks that die with their holder); this module is the
 pure part: core-list syntax and the binding string.
 """
 

@@ -338,7 +338,8 @@ def offline_layout(
     the attention block size is raised (in multiples of the kernel block base) until an attention page holds a state
     page, and the state page is padded to the attention page. On CPU the kernel block equals the logical block
     (any multiple of 32 tokens); pass `kernel_block_size` for GPU backends with fixed kernel sizes. `conv_layout`:
-    DS is vLLM's stock NIXL layout (and CUDA engines'); the CPU engines here run SD (actors.engine_settings.launch_env)."""
+    DS is vLLM's stock NIXL layout (and CUDA engines'); the CPU engines here run SD
+    (actors.engine.settings.launch_env)."""
     ssm_dtype = ssm_dtype or dtype
     probe = EngineLayout(model, tp, dtype, ssm_dtype, 1, 1, 1 << 62, default_groups(model))  # sizes only
     per_token = probe.kv_heads_local * 2 * model.attention.head_dim * probe.elem_bytes if model.attention else 0
@@ -377,7 +378,7 @@ HEAD_MAJOR = ("HND", "CPU_TILED")  # a head's slice of a kernel page is one cont
 
 
 def layout_from_report(report: dict, model: ModelShape) -> EngineLayout:
-    """The layout a running engine reports (see actors/engine_report.py for how it is read out of vLLM), checked
+    """The layout a running engine reports (see actors/engine/report.py for how it is read out of vLLM), checked
     against the model's shape: the sizes the engine really allocated must be the sizes the planner derives."""
     try:
         groups = tuple(CacheGroup(g["kind"], tuple(g["layers"])) for g in report["groups"])

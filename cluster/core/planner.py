@@ -437,7 +437,7 @@ def plan_request(
 
 # ---- read lanes: one read split into equal shares for NIXL's UCX threads ---------------------------------------------
 LANE_MIN_BYTES = 1 << 20  # a read this large is cut into at least LANE_MIN_ROWS rows per lane, so that NIXL splits it
-LANE_MIN_ROWS = 8  # NIXL's UCX `split_batch_size` that goes with lane_rows (see actors/nixl_setup.py)
+LANE_MIN_ROWS = 8  # NIXL's UCX `split_batch_size` that goes with lane_rows (see actors/engine/nixl_setup.py)
 LANE_PIECES = 8  # rows longer than 1/(LANE_PIECES x lanes) of the read are cut: bounds the imbalance between lanes
 LANE_ALIGN = 64  # cuts fall on cache lines
 

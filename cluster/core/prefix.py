@@ -9,7 +9,7 @@ checkpoint are worth nothing to a prefill (they are recomputed with the state). 
 (it reads the state from the prefill engine, and only the attention blocks it lacks), so for it every shared leading
 block counts. vLLM never resumes a whole prompt: at least its last token is computed.
 
-Where the record comes from. Each engine keeps its own record (`EngineActor`, `actors/engine_prefix.py`) of the
+Where the record comes from. Each engine keeps its own record (`EngineActor`, `actors/engine/prefix.py`) of the
 blocks it computed, so that every front end asks the engines and sees one picture; the record is an estimate of
 vLLM's cache, and every prefill checks it: the engine compares what the record predicted with what vLLM reports it
 reused (`num_cached_tokens`) and counts each difference (`mispredicted`). What it cannot see is eviction before it
@@ -23,7 +23,7 @@ every process (no PYTHONHASHSEED), so a front end and an engine agree without ex
 
 Asking costs a round trip to every engine per request, so the routers ask only when an engine may hold something of
 the prompt: a prefix is resumable only from its first block, and each record keeps the set of first-block hashes it
-holds (`roots`, versioned), which the routers copy (`actors.pair_choice`). A prompt whose first block no engine
+holds (`roots`, versioned), which the routers copy (`actors.frontend.pair_choice`). A prompt whose first block no engine
 holds - a new conversation, a prompt that shares nothing - is routed on load without a question.
 """
 

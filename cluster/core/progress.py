@@ -13,7 +13,7 @@ workers and their helpers, compile subprocesses included) and calls an unanswere
 - busy - past the threshold but burning CPU (or waiting on a held compile lock): waited for, up to `busy_limit_s`,
   after which it is stuck all the same (a spinning hung kernel, an endless loop).
 
-Pure: readings come in (`Reading`), a `Judgement` goes out; `actors.engine_progress` reads /proc and asks."""
+Pure: readings come in (`Reading`), a `Judgement` goes out; `actors.engine.progress` reads /proc and asks."""
 
 from __future__ import annotations
 

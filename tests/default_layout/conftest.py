@@ -15,7 +15,7 @@ from tests.default_layout.shared import KEY, MODEL
 
 @pytest.fixture(scope="package")
 def served(ray_local, gdn_model):
-    from actors.engine_settings import free_port
+    from actors.engine.settings import free_port
     from cluster.cli.launch import serve, stop_cluster
     from cluster.core.config import DeployConfig
 

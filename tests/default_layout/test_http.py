@@ -1,7 +1,7 @@
 """The HTTP service on the embedded cluster (the folder's, conftest.py: the default layout as Serve pools, vLLM's
-OpenAI front end over the cluster), started by the same functions `make run` uses, exercised with the official `openai` client, raw HTTP and
-vLLM's own serving benchmark client. Every generated text is compared with the same request run whole (colocated) on
-the decode engine - vLLM's own engine given the same sampling parameters."""
+OpenAI front end over the cluster), started by the same functions `make run` uses, exercised with the official `openai`
+client, raw HTTP and vLLM's own serving benchmark client. Every generated text is compared with the same request run
+whole (colocated) on the decode engine - vLLM's own engine given the same sampling parameters."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import openai
 import pytest
 import ray
 
-from actors.engine_settings import free_port
+from actors.engine.settings import free_port
 from tests.default_layout.shared import KEY, MODEL
 from tests.pd_helpers import metric, wait_for
 
@@ -300,7 +300,7 @@ def test_tool_calls_come_back_parsed(served, client, tokenizer, choice):
 def another_frontend(served, **settings):
     """A further front end on the module's cluster (as several front ends share one: its own router and channels),
     on a port of its own, with `settings` (`FrontendSettings` fields) over the launcher's; yields its URL."""
-    from actors.frontend import HTTPFrontend
+    from actors.frontend.server import HTTPFrontend
     from cluster.cli.frontends import frontend_settings
 
     frontend = HTTPFrontend.remote()
@@ -332,9 +332,10 @@ def reasoning_frontend(served):
 
 def thinking_prompt(tokenizer) -> tuple[str, list[int], int]:
     """A user message after which the tiny model's greedy output holds `</think>` (the rule its weights implement,
-    `cluster.cli.tiny_model.expected_next_token`): words ending in a token k successors before `</think>`. Returns
+    `cluster.cli.tiny_circuit.expected_next_token`): words ending in a token k successors before `</think>`. Returns
     the message, its token ids and the output length that ends 3 tokens past the marker."""
-    from cluster.cli.tiny_model import THINK, _WORDS, _codes
+    from cluster.cli.tiny_circuit import _codes
+    from cluster.cli.tiny_model import THINK, _WORDS
     from tests.pd_helpers import oracle
 
     start, end = tokenizer.convert_tokens_to_ids(list(THINK))
@@ -639,7 +640,7 @@ def test_every_route_but_health_needs_the_key(served):
     """With an API key set, every route (generation, /tokenize, /detokenize, /v1/models, /version, /metrics, the API
     documents) is 401 without it or with a wrong one, and answers with it; unknown paths are 401 too (404 with the
     key); /health is open."""
-    from actors.frontend import VLLM_ROUTES
+    from actors.frontend.server import VLLM_ROUTES
 
     assert set(ROUTE_REQUESTS) == VLLM_ROUTES | {"/metrics"}  # a route added to the front end is checked here too
     for route, (method, body) in ROUTE_REQUESTS.items():

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import ray
 
-from actors.cores import CoresUnavailable, lease_cores, thread_affinities, wait_for_cores
+from actors.host.cores import CoresUnavailable, lease_cores, thread_affinities, wait_for_cores
 from cluster.cli.bench.faults import kill_engine
 from cluster.core.config import DeployConfig, DeployError
 from cluster.cli.launch import start_cluster
@@ -55,7 +55,7 @@ def vllm_processes(client) -> list[int]:
 
 def lent_threads(pid: int, lent: set[int]) -> dict[int, int]:
     """{tid: core} of process `pid`'s threads pinned each to one core of `lent`: a borrowing engine's OpenMP team
-    threads on the cores it borrows (`actors.core_lending`)."""
+    threads on the cores it borrows (`actors.host.core_lending`)."""
     return {tid: c[0] for tid, c in thread_affinities(pid).items() if len(c) == 1 and c[0] in lent}
 
 
@@ -88,7 +88,7 @@ def check_own_cores(cluster) -> dict[str, tuple[int, ...]]:
 def check_host_off_decode(cluster, owned: dict[str, tuple[int, ...]]) -> None:
     """The cluster's own processes - the HTTP front end and both engine actors (vLLM's client side) - run, every
     thread, on the cores the decode engine does not reserve (here: the prefill engine's), within a few of their
-    checks (`actors.cores.HostCores`, every 5 s)."""
+    checks (`actors.host.cores.HostCores`, every 5 s)."""
     pids = {"front end": ray.get(cluster.frontends[0].info.remote(), timeout=30)["pid"]}
     for role, (engine_id, client) in engines_by_role(cluster).items():
         pids[f"{engine_id} (actor)"] = ray.get(client.pids(), timeout=30)[0]

@@ -23,10 +23,10 @@ class Engines:
     """The coordinator and the engines by id; `launch` starts (or restarts, under the same id) and registers more."""
 
     def __init__(self, model_dir: str):
-        from actors.coordinator_client import CoordinatorClient
+        from actors.control.coordinator import start_coordinator
 
         self.model_dir = model_dir
-        self.coordinator = CoordinatorClient.start(name="coordinator-tp1-engines", unresponsive_s=UNRESPONSIVE_S)
+        self.coordinator = start_coordinator(name="coordinator-tp1-engines", unresponsive_s=UNRESPONSIVE_S)
         self.engines: dict = {}
         try:
             self.launch(*PREFILLS, *DECODES)
@@ -35,7 +35,7 @@ class Engines:
             raise
 
     def launch(self, *engine_ids: str) -> None:
-        from actors.engine import launch_engine_actor
+        from actors.engine.actor import launch_engine_actor
 
         launched = {e: launch_engine_actor(self.model_dir, 1, role=e.split("-")[0], engine_id=e,
                                            engine_kwargs=ENGINE_KWARGS, extra_env={"PD_ENGINE_STALL_S": str(STALL_S)})
@@ -59,7 +59,7 @@ class Engines:
                     pass
 
     def stop(self) -> None:
-        from actors.engine import stop_engine_actors
+        from actors.engine.actor import stop_engine_actors
 
         self.signal_all(signal.SIGCONT)
         stop_engine_actors(list(self.engines.values()))

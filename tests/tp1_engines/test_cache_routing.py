@@ -10,8 +10,8 @@ import random
 import pytest
 import ray
 
-from actors.engine import stop_engine_actors
-from actors.router import Router
+from actors.engine.actor import stop_engine_actors
+from actors.frontend.router import Router
 from cluster.core.prefix import root_hash
 from tests.pd_helpers import gather, oracle
 from tests.tp1_engines.shared import DECODES, PREFILLS, Engines

@@ -15,7 +15,7 @@ import time
 import pytest
 import ray
 
-from actors.router import Router
+from actors.frontend.router import Router
 from tests.pd_helpers import oracle, prompts, until, wait_for
 from tests.tp1_engines.shared import STALL_S, UNRESPONSIVE_S
 

@@ -244,7 +244,7 @@ CLUSTER_COUNTERS = {
     "route_local": ("pd_routing_decisions_total", {"reason": "local"}),
     "mispredicted": ("pd_prefix_mispredictions_total", {"role": "prefill"}),
 }
-ROUTE_REASONS = ("hit", "spread", "load", "only", "local")  # pd_routing_decisions' reasons (actors.pair_choice)
+ROUTE_REASONS = ("hit", "spread", "load", "only", "local")  # pd_routing_decisions' reasons (pair_choice)
 VLLM_COUNTERS = {
     "prompt": ("vllm:prompt_tokens_total", {}),
     "computed": ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),

@@ -26,11 +26,11 @@ async def _ttft(stream_factory) -> tuple[float, float, int]:
 async def pair(model_dir, p_tp: int, d_tp: int, engine_kwargs: dict | None = None):
     """A coordinator, one prefill and one decode engine, registered, and a router over them: yields (prefill client,
     decode client, router, the engines' startup seconds); everything stops afterwards."""
-    from actors.coordinator_client import CoordinatorClient
-    from actors.engine import launch_engine_actor, stop_engine_actors
-    from actors.router import Router
+    from actors.control.coordinator import start_coordinator
+    from actors.engine.actor import launch_engine_actor, stop_engine_actors
+    from actors.frontend.router import Router
 
-    coord = CoordinatorClient.start()
+    coord = start_coordinator()
     (P, ps), (D, ds) = (
         launch_engine_actor(model_dir, p_tp, role="prefill", engine_id=f"bench-p{p_tp}", engine_kwargs=engine_kwargs),
         launch_engine_actor(model_dir, d_tp, role="decode", engine_id=f"bench-d{d_tp}", engine_kwargs=engine_kwargs),
@@ -48,7 +48,7 @@ async def pair(model_dir, p_tp: int, d_tp: int, engine_kwargs: dict | None = Non
 async def bench_pair(model_dir, p_tp: int, d_tp: int, prompt_lens: list[int], reps: int, max_tokens: int,
                       concurrency: int = 8) -> list[dict]:
     """One prefill and one decode engine; per prompt length a row (engines started once per pair)."""
-    from actors.engine_settings import DEFAULT_MAX_MODEL_LEN
+    from actors.engine.settings import DEFAULT_MAX_MODEL_LEN
 
     # the engines' context as long as the longest request, never shorter than their default
     longest = {"max_model_len": max(DEFAULT_MAX_MODEL_LEN, max(prompt_lens) + max_tokens)}

@@ -274,7 +274,7 @@ def bench_cluster(target: str, cfg: Any, model_dir: str, token_ids: list[int], a
                   spec: MultiTurn) -> dict[str, Any]:
     """The bench's cluster with `routing.policy` = the target's, as `make run` starts it
     (`cluster.cli.bench.targets.local_cluster`)."""
-    from actors.engine_settings import free_port
+    from actors.engine.settings import free_port
     from cluster.cli.bench.targets import local_cluster
 
     cfg = deploy_for_prefix_bench(cfg, free_port(), CLUSTER_TARGETS[target], args.kv_cache_gib)

@@ -110,7 +110,7 @@ def bench_cluster(model_dir: str, p_tp: int, d_tp: int, loads, input_len: int, o
                   local_prefill_when_idle: bool = False, share_cores: bool = False,
                   local_prefill_speed: float | None = None, decode_budget: int | None = None,
                   borrow: bool = True) -> list[dict]:
-    from actors.engine_settings import free_port
+    from actors.engine.settings import free_port
     from cluster.cli.bench.targets import local_cluster
     from cluster.core.config import DeployConfig
 

@@ -57,7 +57,7 @@ def vllm_server(model_dir: str, name: str, tp: int, logs: Path, prefix_caching: 
                 label: str | None = None, say: Say = _say) -> Iterator[str]:
     """vLLM's own OpenAI server for the model, colocated at TP `tp`, served as `name`; yields its URL. Its output goes
     to logs/<label>.log (label: vllm-tp<tp>)."""
-    from actors.engine_settings import free_port
+    from actors.engine.settings import free_port
 
     label = label or f"vllm-tp{tp}"
     port = free_port()
@@ -75,7 +75,7 @@ def stock_pd(model_dir: str, name: str, p_tp: int, d_tp: int, logs: Path, prefix
              say: Say = _say) -> Iterator[str]:
     """vLLM's stock P/D: a prefill server (kv_producer) at TP `p_tp` and a decode server (kv_consumer) at TP `d_tp`
     with vLLM's NixlConnector, behind `cluster.cli.bench.stock_pd_proxy`; yields the proxy's URL."""
-    from actors.engine_settings import free_port
+    from actors.engine.settings import free_port
 
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
     procs = [server_process(model_dir, name, p_tp, p_port, logs / "stock-prefill.log", "kv_producer",
@@ -97,7 +97,7 @@ def stock_pd(model_dir: str, name: str, p_tp: int, d_tp: int, logs: Path, prefix
 
 def server_env(tp: int, side_port: int) -> dict[str, str]:
     """A vLLM server's environment: the cluster's per-engine one, and its own NIXL side-channel port."""
-    from actors.engine_settings import engine_env
+    from actors.engine.settings import engine_env
 
     return {**os.environ, **engine_env(tp), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
 
@@ -106,7 +106,7 @@ def server_process(model_dir: str, name: str, tp: int, port: int, log: Path, kv_
                    side_port: int | None = None, prefix_caching: bool = False) -> subprocess.Popen:
     """`vllm.entrypoints.openai.api_server` in a process group of its own (eager, bfloat16, 2048 tokens, the
     prefix-caching setting given; with `kv_role`, vLLM's NixlConnector on CPU buffers)."""
-    from actors.engine_settings import free_port
+    from actors.engine.settings import free_port
 
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
             name, "-tp", str(tp), "--distributed-executor-backend", "mp", "--dtype", "bfloat16", "--max-model-len",

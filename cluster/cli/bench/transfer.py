@@ -53,7 +53,7 @@ def bench_transfer(models: list[str], pairs: list[tuple[int, int]], tokens: list
         model = model_shape(cfg)
         sdtype = ssm_dtype(cfg, "bfloat16")
         for p_tp, d_tp in pairs:
-            # the conv-state layout CPU engines run (actors.engine_settings.CPU_CONV_STATE_LAYOUT)
+            # the conv-state layout CPU engines run (actors.engine.settings.CPU_CONV_STATE_LAYOUT)
             pair = plan_pair(*(offline_layout(model, tp, "bfloat16", sdtype, conv_layout="SD") for tp in (p_tp, d_tp)))
             n_max = max(tokens)
             _, _, pool = sample_blocks(pair, n_max)

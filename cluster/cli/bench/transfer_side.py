@@ -5,8 +5,8 @@ The prefill side fills its regions with noise; the decode side reads a request's
 state of every GDN layer, KV of every attention layer) with NIXL READs built from the planner's byte ranges, one
 transfer per (decode rank, prefill rank), exactly as the engines' connector posts them. `verify` compares checksums of
 every read range on both sides; `memcpy` measures a single-process copy of the same number of bytes (the ceiling), in
-one thread and in as many threads as a READ has lanes (UCX threads: `actors.nixl_setup.install_read_lanes`, one per
-core this actor may run on, as a decode rank gets one per core it owns).
+one thread and in as many threads as a READ has lanes (UCX threads: `actors.engine.nixl_setup.install_read_lanes`, one
+per core this actor may run on, as a decode rank gets one per core it owns).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import zlib
 import numpy as np
 import ray
 
-from actors.nixl_setup import agent_read_lanes, install_progress_delay, install_read_lanes
+from actors.engine.nixl_setup import agent_read_lanes, install_progress_delay, install_read_lanes
 from cluster.core.layout import EngineLayout
 from cluster.core.planner import address_rows, lane_rows
 
@@ -32,8 +32,8 @@ class TransferSide:
 
         install_progress_delay()
         install_read_lanes()
-        # one cma call per descriptor, as in the engines' workers (actors.connector.CMA_SEG_SIZE, which sets it there:
-        # that module imports vLLM, which this actor does not need)
+        # one cma call per descriptor, as in the engines' workers (actors.engine.connector.CMA_SEG_SIZE, which sets it
+        # there: that module imports vLLM, which this actor does not need)
         os.environ.setdefault("UCX_CMA_SEG_SIZE", "1G")
         self.layout = layout
         self.agents, self.regions, self.names = [], [], []
