@@ -1,10 +1,10 @@
 """The code's layers and the one direction its imports run, read from the source (every import statement, the ones
 inside functions included):
 
-    cluster/cli/ (and cluster/__main__.py)   entry points: the command line, the launcher, the benchmarks, the tiny
-    model
+    cluster/cli/ (and cluster/__main__.py)   entry points: the command line, the launcher, the benchmarks, tiny models
       -> actors/         the Ray runtime, one subpackage per part, each importing only from those before it:
-                           host -> clients -> engine -> control -> frontend (`ACTOR_PARTS`, actors/__init__.py)
+                           host -> clients -> engine -> control -> frontend (`ACTOR_PARTS` below; actors/__init__.py
+                           says what each part is)
         -> cluster/core/     the pure core: shapes, layouts, planner, registry, deploy config, wire format
 
 Each directory holds one layer. `python tests/test_layers.py` draws the directories and the imports between them.
@@ -129,6 +129,13 @@ def part_of(name: str) -> str | None:
     """The part of actors/ module `name` is in (`actors.engine.actor` -> engine); None outside actors/."""
     parts = name.split(".")
     return parts[1] if parts[0] == "actors" and len(parts) > 1 and parts[1] in ACTOR_PARTS else None
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_are_absolute(path):
+    """The checks here read absolute imports: a relative one (`from .x import y`) would pass them unseen."""
+    relative = [n.lineno for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.level]
+    assert not relative, f"{path.relative_to(ROOT)} has relative imports at lines {relative}"
 
 
 def test_every_actors_module_is_in_a_part():

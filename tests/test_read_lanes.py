@@ -126,8 +126,7 @@ def test_read_lanes_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert read_lanes() == min(len(os.sched_getaffinity(0)), MAX_READ_LANES)
 
 
-# ---- real NIXL: a READ split over two UCX threads
-# ---------------------------------------------------------------------
+# ---- real NIXL: a READ split over two UCX threads -----------------------------------------------------------------
 def _agent(name: str, lanes: int):
     os.environ["PD_NIXL_READ_LANES"] = str(lanes)
     from actors.engine.nixl_setup import install_progress_delay, install_read_lanes

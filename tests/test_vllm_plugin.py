@@ -143,3 +143,16 @@ def test_gloo_shared_device_variable_is_checked():
     r = subprocess.run([sys.executable, "-c", "from actors.engine.vllm_plugin import register; register()"], cwd=REPO,
                        env=plugin_env(PD_GLOO_SHARED_DEVICE="yes"), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "PD_GLOO_SHARED_DEVICE" in r.stderr, r.stderr[-2000:]
+
+
+def test_vllm_finds_the_plugin_where_the_installed_entry_point_says():
+    """vLLM loads general plugins by entry point (group vllm.general_plugins): the installed project's one must
+    resolve to `register` (a stale entry point - the module moved, the environment not reinstalled - only logs a
+    warning in vLLM, and the plugin's settings silently stop applying)."""
+    from importlib.metadata import entry_points
+
+    from actors.engine.vllm_plugin import register
+
+    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "hybrid_pd"]
+    assert len(found) == 1, found
+    assert found[0].load() is register, found[0].value

@@ -13,12 +13,12 @@ compile caches are kept across engines and restarts: `actors.engine.settings.com
 doing meanwhile (`phase`).
 
 The actor is made of components, one per concern and module, each the one owner of its state, built by the actor's
-constructor with what it needs of the others: `EngineServing` (`engine_serving`: prefill, decode, decode channels),
-`EnginePairs` (`engine_pairs`: registration, pair plans, transfer records, the engine's `TransferTotals`),
-`EngineVerify` (`engine_verify`: transfer.verify), `EngineLoad` (`engine_load`: load counters and draining) and
-`EngineProcesses` (`engine_procs`: processes and clean-up), next to the prefix record (`engine_prefix`), the progress
-watch (`engine_progress`) and the connector's ranks (`connector_ranks`). The vLLM engine itself is reached through
-one accessor (`engine_procs.LiveEngine`). Ray exposes only the methods of the actor class: each remote method the
+constructor with what it needs of the others: `EngineServing` (`serving`: prefill, decode, decode channels),
+`EnginePairs` (`pairs`: registration, pair plans, transfer records, the engine's `TransferTotals`), `EngineVerify`
+(`verify`: transfer.verify), `EngineLoad` (`load`: load counters and draining) and `EngineProcesses` (`procs`:
+processes and clean-up), next to the prefix record (`prefix`), the progress watch (`progress`) and the connector's
+ranks (`connector_ranks`), all modules of `actors.engine`. The vLLM engine itself is reached through one accessor
+(`procs.LiveEngine`). Ray exposes only the methods of the actor class: each remote method the
 actor does not answer itself (start-up, health, routing views) is one line that hands the call to its component.
 Nobody calls the actor directly: everything talks to it through `actors.clients.engine_client.EngineClient`, which
 `launch_engine_actor` returns.

@@ -1,7 +1,6 @@
 """Start and serve the cluster a deployment file describes, until stopped.
 
-    python -m cluster run deploy.yaml          # what `make run` and `ray job submit ... -- python -m
-    cluster.cli.launch` run
+    python -m cluster run deploy.yaml    # what `make run` and `ray job submit ... -- python -m cluster.cli.launch` run
 
 Builds the tiny model if the file names a builtin one, joins the Ray cluster (RAY_ADDRESS, as `ray job submit` sets
 it) or starts a local one, starts the coordinator and the prefill and decode pools as Ray Serve deployments (one

@@ -185,11 +185,13 @@ def test_an_engine_that_leaves_or_restarts_drops_out_of_the_picture(cl, block):
     assert len(held) == 1
     gone, other = held[0], next(e for e in PREFILLS if e != held[0])
     stop_engine_actors([cl.engines.pop(gone)])
-    ray.get(cl.coordinator.engine_failed(gone))
-    second = prompt + out + words(1201, 60)
-    out2, reused = turn(cl, cl.cache, second)
-    assert out2 == oracle(second, MAX_TOKENS) and reused.get(other, 0) == 0
-    cl.launch(gone)  # back, with an empty cache and record
+    try:
+        ray.get(cl.coordinator.engine_failed(gone))
+        second = prompt + out + words(1201, 60)
+        out2, reused = turn(cl, cl.cache, second)
+        assert out2 == oracle(second, MAX_TOKENS) and reused.get(other, 0) == 0
+    finally:
+        cl.launch(gone)  # back, with an empty cache and record (whatever happened: the folder's next module needs it)
     assert ray.get(cl.engines[gone].resumable(second)).resumable.checkpoint_tokens == 0
     third = second + out2 + words(1202, 60)
     out3, reused = turn(cl, cl.cache, third)

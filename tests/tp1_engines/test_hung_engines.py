@@ -54,9 +54,10 @@ def _signal(engine, sig: int) -> None:
             pass
 
 
-def _removed(coordinator, engine_id: str) -> list[dict]:
-    """The coordinator's removals of `engine_id` (with why), oldest first."""
-    return [r for r in ray.get(coordinator.removed_engines()) if r["engine_id"] == engine_id]
+def _removed(coordinator, engine_id: str, since: int = 0) -> list[dict]:
+    """The coordinator's removals of `engine_id` (with why), oldest first, past the first `since` of them (an engine
+    test_cache_routing.py stopped and restarted under its id has an older one)."""
+    return [r for r in ray.get(coordinator.removed_engines()) if r["engine_id"] == engine_id][since:]
 
 
 def _routes(coordinator) -> dict[str, list[str]]:
@@ -74,6 +75,7 @@ def test_a_hung_decode_engine_fails_over_mid_stream(cl):
     n = 96
     stopped: list[str] = []
     continued: list[int] = []  # tokens the stream had when the hung engine was continued
+    before: list[int] = []  # the hung engine's removals listed before it was stopped
 
     async def run() -> tuple[list[int], float]:
         out: list[int] = []
@@ -82,6 +84,7 @@ def test_a_hung_decode_engine_fails_over_mid_stream(cl):
         async for item in router.generate(prompt, params):
             if len(out) >= 4 and not stopped:
                 d_id = next(d for d in ("decode-a", "decode-b") if router.choice.inflight[d])
+                before.append(len(_removed(coordinator, d_id)))
                 _signal(engines[d_id], signal.SIGSTOP)
                 stopped.append(d_id)
                 t_stop = time.monotonic()
@@ -89,7 +92,7 @@ def test_a_hung_decode_engine_fails_over_mid_stream(cl):
                 resumed_after = time.monotonic() - t_stop
                 # once the coordinator has judged it (stopped: stuck), it continues; its late outputs may come now,
                 # while this stream still runs: to nobody
-                await until(lambda: _removed(coordinator, stopped[0]), 30, "the hung engine taken out", 0.1)
+                await until(lambda: _removed(coordinator, stopped[0], before[0]), 30, "the hung engine taken out", 0.1)
                 _signal(engines[stopped[0]], signal.SIGCONT)
                 continued.append(len(out))
             out += item["token_ids"]
@@ -103,7 +106,7 @@ def test_a_hung_decode_engine_fails_over_mid_stream(cl):
         assert out == oracle(prompt, n)  # token for token across the failover, late outputs of the hung engine or not
         assert router.failed_over == 1 and continued and continued[0] < n - 8
         assert resumed_after < RESUME_S, resumed_after
-        removed = _removed(coordinator, hung)
+        removed = _removed(coordinator, hung, before[0])
         assert removed and "stuck" in removed[-1]["why"] and "stopped" in removed[-1]["why"], removed
         deadline = time.monotonic() + 30
         while hung in {d for ds in _routes(coordinator).values() for d in ds} and time.monotonic() < deadline:
@@ -124,14 +127,15 @@ def test_a_hung_prefill_engine_is_retried_elsewhere(cl):
     assert sorted(live) == ["prefill-a", "prefill-b"]
     router = Router(coordinator, stall_s=ROUTER_STALL_S, policy="load")
     router.choice.pick = lambda candidates, role: sorted(candidates)[0]  # prefill-a first, whatever the rotation
+    before = len(_removed(coordinator, "prefill-a"))  # test_cache_routing.py may have stopped it once
     _signal(engines["prefill-a"], signal.SIGSTOP)
     try:
         prompt = prompts(seed=32, lengths=(200,))[0]
         t0 = time.monotonic()
         out = asyncio.run(_one(router, prompt, 8))
         took = time.monotonic() - t0
-        wait_for(lambda: _removed(coordinator, "prefill-a"), 30, poll_s=0.1)  # judged while still stopped
-        removed = _removed(coordinator, "prefill-a")
+        wait_for(lambda: _removed(coordinator, "prefill-a", before), 30, poll_s=0.1)  # judged while still stopped
+        removed = _removed(coordinator, "prefill-a", before)
     finally:
         _signal(engines["prefill-a"], signal.SIGCONT)
     print(f"retried elsewhere and served in {took:.2f} s; prefill-a removed: {removed}")

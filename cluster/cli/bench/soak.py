@@ -171,7 +171,7 @@ class Fault:
 
 
 class Soak:
-    """The faults, their aftermath and the bookkeeping around one running cluster (`run_soak` drives it)."""
+    """The faults, their aftermath and the bookkeeping around one running cluster (`soak_cluster` drives it)."""
 
     def __init__(self, cluster: Any, args: argparse.Namespace, t0: float, progress: Callable[[str], None] = say):
         import ray
@@ -513,6 +513,7 @@ def run_soak(cfg: Any, args: argparse.Namespace, progress: Callable[[str], None]
     """Start `cfg`'s cluster (Ray must be initialised), soak it as `args` says, stop it; the report."""
     from cluster.cli.launch import serve
 
+    fault_schedule(args.faults, args.fault_every, args.minutes * 60, args.order, args.seed)  # refused before starting
     shm_before = shm_files()
     progress(f"{cfg.prefill.min_replicas}..{cfg.prefill.max_replicas} prefill x TP {cfg.prefill.tp}, "
              f"{cfg.decode.min_replicas}..{cfg.decode.max_replicas} decode x TP {cfg.decode.tp}, "
@@ -535,12 +536,12 @@ def soak_cluster(cluster: Any, args: argparse.Namespace, shm_before: set[str],
 
     cfg = cluster.cfg
     duration = args.minutes * 60
-    schedule = fault_schedule(args.faults, args.fault_every, duration, args.order, args.seed)
-    progress(f"{args.clients} clients for {args.minutes:g} min, {len(schedule)} faults ({args.order}): "
-             f"{', '.join(k for _, k in schedule)}")
     soak = None
     threads: list[threading.Thread] = []
-    try:
+    try:  # whatever happens from here on, the cluster is stopped (the finally below)
+        schedule = fault_schedule(args.faults, args.fault_every, duration, args.order, args.seed)
+        progress(f"{args.clients} clients for {args.minutes:g} min, {len(schedule)} faults ({args.order}): "
+                 f"{', '.join(k for _, k in schedule)}")
         soak = Soak(cluster, args, time.perf_counter(), progress)
         engines = soak.engines()
         idle = free_blocks(engines)
