@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import glob
-import os
 import random
 import time
 from typing import Any
@@ -164,13 +162,6 @@ def end_processes_under(marker: str) -> None:
             except psutil.Error:
                 pass
         psutil.wait_procs(alive, timeout=10)
-
-
-def engine_shm() -> set[str]:
-    """The engines' files in /dev/shm now (vLLM's segments and queues, `actors.engine.procs.SHM_PREFIXES`)."""
-    from actors.engine.procs import SHM_PREFIXES
-
-    return {p for p in glob.glob("/dev/shm/*") if os.path.basename(p).startswith(SHM_PREFIXES)}
 
 
 def metric(text: str, name: str) -> str:

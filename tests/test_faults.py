@@ -25,7 +25,8 @@ from cluster.cli.bench.faults import blocks_held, free_blocks
 from cluster.cli.bench.faults import kill_engine as bench_kill_engine
 from cluster.core.config import DeployConfig, load_deploy
 from cluster.cli.launch import serve, stop_cluster
-from tests.pd_helpers import engine_shm, metric, wait_for
+from cluster.cli.bench.soak_accounting import shm_files
+from tests.pd_helpers import metric, wait_for
 
 pytestmark = pytest.mark.engine
 MODEL = "tiny-hybrid"
@@ -52,7 +53,7 @@ def served(ray_local, gdn_model):
     })
     assert cfg.model.name == MODEL and cfg.transfer == load_deploy(ROOT / "deploy.yaml").transfer
     # engines as plain actors (pools="actors"): these tests kill them on purpose, and Serve would replace them
-    SHM_BEFORE.update(engine_shm())
+    SHM_BEFORE.update(shm_files())
     cluster = serve(cfg, progress=print, pools="actors")
     try:
         yield cluster
@@ -483,7 +484,7 @@ def test_a_stop_right_after_an_engine_is_killed_leaves_nothing_behind(served, gd
                     procs.append(f"process {pid}")
             except psutil.NoSuchProcess:
                 pass
-        return procs + sorted(engine_shm() - SHM_BEFORE) + sorted(t for t in tmpdirs if os.path.exists(t))
+        return procs + sorted(shm_files() - SHM_BEFORE) + sorted(t for t in tmpdirs if os.path.exists(t))
 
     left: list[str] = []
     try:

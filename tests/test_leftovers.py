@@ -19,7 +19,8 @@ import ray
 from actors.engine.actor import launch_engine_actor, stop_engine_actors
 from actors.engine.procs import OWNER_FILE
 from cluster.cli.bench.faults import kill_engine
-from tests.pd_helpers import PDCluster, decode_stream, engine_shm, wait_for
+from cluster.cli.bench.soak_accounting import shm_files
+from tests.pd_helpers import PDCluster, decode_stream, wait_for
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -88,7 +89,7 @@ def test_an_engine_stopped_or_killed_while_it_starts_leaves_nothing(ray_local, g
     replica stops its engine (`stop_engine_actors`), or SIGKILLed and then cleaned up after as a pool replica does
     when its engine died starting: once its vLLM processes have made their files in the phase named, nothing of it
     remains - no process, no shared-memory file, no TMPDIR."""
-    shm_before = engine_shm()
+    shm_before = shm_files()
     client, started = launch_engine_actor(gdn_model, 2, role="decode", engine_id=f"decode-{how}-{phase.split()[0]}")
     try:
         ray.get(client.ready(), timeout=60)
@@ -99,7 +100,7 @@ def test_an_engine_stopped_or_killed_while_it_starts_leaves_nothing(ray_local, g
         if phase == "loading vLLM":  # the workers have started and made their segments
             wait_for(lambda: len(ray.get(client.pids(), timeout=10)) >= 4, 120, poll_s=0.1)
             time.sleep(2)
-        made = sorted(engine_shm() - shm_before)
+        made = sorted(shm_files() - shm_before)
         print(f"{how} at {ray.get(client.phase(), timeout=10)!r}: {len(_under(tmpdir))} processes, {len(made)} "
               f"engine files in /dev/shm")
         if how == "kill":
@@ -109,7 +110,7 @@ def test_an_engine_stopped_or_killed_while_it_starts_leaves_nothing(ray_local, g
     except BaseException:
         stop_engine_actors([client])
         raise
-    left = [f"process {p.pid}" for p in _under(tmpdir)] + sorted(engine_shm() - shm_before)
+    left = [f"process {p.pid}" for p in _under(tmpdir)] + sorted(shm_files() - shm_before)
     left += [tmpdir] if os.path.exists(tmpdir) else []
     assert not left, f"left behind: {left}"
     if phase != "started":

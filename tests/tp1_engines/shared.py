@@ -19,6 +19,20 @@ UNRESPONSIVE_S = 15.0
 PREFILLS, DECODES = ("prefill-a", "prefill-b"), ("decode-a", "decode-b")
 
 
+def signal_engine(engine, sig: int, actor_too: bool = True) -> None:
+    """`sig` to an engine's processes: its actor and every process vLLM started under it (`actor_too=False`: vLLM's
+    only); nothing for an engine already stopped."""
+    try:
+        pids = ray.get(engine.pids(), timeout=30)  # the actor first
+    except Exception:  # noqa: BLE001 - stopped already
+        return
+    for pid in pids if actor_too else pids[1:]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 class Engines:
     """The coordinator and the engines by id; `launch` starts (or restarts, under the same id) and registers more."""
 
@@ -48,15 +62,7 @@ class Engines:
     def signal_all(self, sig: int) -> None:
         """`sig` to every process of every engine (a test that stopped one must never leave it stopped)."""
         for h in self.engines.values():
-            try:
-                pids = ray.get(h.pids(), timeout=30)
-            except Exception:  # noqa: BLE001 - stopped already
-                continue
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            signal_engine(h, sig)
 
     def stop(self) -> None:
         from actors.engine.actor import stop_engine_actors

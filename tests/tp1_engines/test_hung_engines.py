@@ -17,7 +17,7 @@ import ray
 
 from actors.frontend.router import Router
 from tests.pd_helpers import oracle, prompts, until, wait_for
-from tests.tp1_engines.shared import STALL_S, UNRESPONSIVE_S
+from tests.tp1_engines.shared import STALL_S, UNRESPONSIVE_S, signal_engine
 
 pytestmark = pytest.mark.engine
 
@@ -38,20 +38,8 @@ def cl(tp1_engines):
         tp1_engines.signal_all(signal.SIGCONT)  # never leave a stopped process behind
 
 
-def _vllm_pids(engine) -> list[int]:
-    return ray.get(engine.pids())[1:]  # the actor first, then every process vLLM started under it
-
-
 def _signal(engine, sig: int) -> None:
-    try:
-        pids = _vllm_pids(engine)
-    except Exception:  # noqa: BLE001 - stopped already
-        return
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+    signal_engine(engine, sig, actor_too=False)  # vLLM's processes: the actor still answers
 
 
 def _removed(coordinator, engine_id: str, since: int = 0) -> list[dict]:
